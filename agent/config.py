@@ -1,0 +1,429 @@
+"""The job config: one typed tree, loaded from YAML, overridden key by key, validated with errors
+that name the key, the value and where it came from.
+
+Every torchrun flag has a home in the tree (see ``launcher/torchrun_flags.py`` for the mapping),
+so a YAML file can say anything a torchrun command line can, and ``--print-config`` shows the
+whole resolved job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NewType, Union
+
+import yaml
+
+Seconds = NewType("Seconds", float)
+"""A duration in seconds. YAML and overrides accept a number or a string with a unit:
+``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``."""
+
+DEVICE_NPROC_VALUES = ("auto", "cpu", "gpu", "xpu")
+
+# Rendezvous options that torch.distributed.elastic's built-in backends read, and those of the
+# etcd3 backend. Options for any other (custom) backend are passed through unchecked.
+_DYNAMIC_RDZV_KEYS = frozenset(
+    {
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "read_timeout",
+        "timeout",
+    }
+)
+KNOWN_RDZV_CONF_KEYS: dict[str, frozenset[str]] = {
+    "c10d": _DYNAMIC_RDZV_KEYS | {"is_host", "store_type"},
+    "etcd-v2": _DYNAMIC_RDZV_KEYS | {"protocol", "ssl_cert", "ssl_cert_key", "ca_cert"},
+    "etcd": frozenset(
+        {"timeout", "last_call_timeout", "protocol", "cert", "key", "cacert", "etcd_prefix"}
+    ),
+    "static": frozenset({"rank", "timeout"}),
+}
+_RDZV_DURATION_KEYS = frozenset(k for k in _DYNAMIC_RDZV_KEYS if k.endswith("timeout")) | {
+    "keep_alive_interval"
+}
+
+
+class ConfigError(ValueError):
+    """A job config value is wrong. The message names the source, the key and the fix."""
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    """Who the job is and how big it may be (torchrun: --rdzv-id, --nnodes, --nproc-per-node,
+    --max-restarts, --monitor-interval, --role)."""
+
+    id: str = "none"
+    nnodes: Union[int, str] = "1:1"
+    nproc_per_node: Union[int, str] = 1
+    max_restarts: int = 0
+    monitor_interval: Seconds = Seconds(0.1)
+    role: str = "default"
+
+
+@dataclass(kw_only=True)
+class RendezvousSection:
+    """The rendezvous backend (torchrun: --rdzv-backend, --rdzv-endpoint, --rdzv-conf,
+    --standalone). ``conf`` uses torchrun's rdzv-conf key names; durations in seconds."""
+
+    backend: str = "static"
+    endpoint: str = ""
+    conf: dict[str, Any] = field(default_factory=dict)
+    standalone: bool = False
+
+
+@dataclass(kw_only=True)
+class LaunchSection:
+    """How workers are started and where their output goes: the remaining torchrun flags, with
+    torchrun's names and defaults."""
+
+    start_method: Literal["spawn", "fork", "forkserver"] = "spawn"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    logs_specs: str | None = None
+    event_log_handler: str = "null"
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    numa_binding: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    shutdown_timeout: int | None = None
+    virtual_local_rank: bool = False
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    """Where and how often snapshots are written, and how many are kept."""
+
+    dir: str | None = None
+    interval_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+    verify: Literal["off", "sample", "full"] = "sample"
+
+
+@dataclass(kw_only=True)
+class RestoreSection:
+    """How each rank reads its share of a snapshot."""
+
+    io_threads: int | None = None
+    replicated: Literal["all", "stripe"] = "all"
+    trust_pickles: bool = False
+    prefetch: bool = True
+
+
+@dataclass(kw_only=True)
+class ElasticSection:
+    """Which world sizes are valid, and the global batch to keep across them."""
+
+    world_size_multiple_of: int = 1
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+
+
+@dataclass(kw_only=True)
+class ObservabilitySection:
+    """Where recovery events go. The metrics port is unauthenticated: bind it to a private
+    address."""
+
+    event_log: str | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """The whole job: every section above."""
+
+    job: JobSection = field(default_factory=JobSection)
+    rendezvous: RendezvousSection = field(default_factory=RendezvousSection)
+    launch: LaunchSection = field(default_factory=LaunchSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    restore: RestoreSection = field(default_factory=RestoreSection)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
+    observability: ObservabilitySection = field(default_factory=ObservabilitySection)
+
+    @property
+    def min_max_nodes(self) -> tuple[int, int]:
+        """``job.nnodes`` as (min, max); valid once the config is validated."""
+        return parse_nnodes(self.job.nnodes)
+
+    def get(self, path: str) -> Any:
+        """The value at a dotted key path, e.g. ``"checkpoint.keep"``."""
+        section, name = _split_path(path)
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts, ready for YAML."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, loadable by :func:`load_config`."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def all_key_paths() -> list[str]:
+    """Every settable key of the config, as ``section.name``."""
+    return [
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(JobConfig)
+        for f in dataclasses.fields(_section_type(section.name))
+    ]
+
+
+def parse_nnodes(value: int | str) -> tuple[int, int]:
+    """``"MIN:MAX"`` or ``"N"`` -> (min, max); raises ValueError with the rule it broke."""
+    parts = str(value).split(":")
+    if len(parts) > 2 or not all(re.fullmatch(r"\d+", p.strip()) for p in parts):
+        raise ValueError(f"'{value}' is not N or MIN:MAX with whole numbers, e.g. 2 or 1:4")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo <= 0:
+        raise ValueError(f"'{value}' has a minimum of {lo}; at least 1 node is needed")
+    if lo > hi:
+        raise ValueError(f"'{value}' has min {lo} > max {hi}; write MIN:MAX with MIN <= MAX")
+    return lo, hi
+
+
+def parse_seconds(value: Any) -> float:
+    """A number of seconds, or a string with a unit (ms, s, m, h) -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(value))
+        if not match:
+            raise ValueError(f"'{value}' is not a duration; write e.g. 30, 2.5, '500ms', '30s', '2m'")
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[match.group(2) or "s"]
+        seconds = float(match.group(1)) * scale
+    if seconds < 0:
+        raise ValueError(f"'{value}' is negative; a duration must be >= 0")
+    return seconds
+
+
+def parse_endpoints(value: str) -> list[tuple[str, int | None]]:
+    """``"host[:port][,host[:port]...]"`` -> [(host, port)]; IPv6 hosts in brackets."""
+    endpoints = []
+    for item in value.split(","):
+        match = re.fullmatch(r"\s*(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(\d+))?\s*", item)
+        if not match:
+            raise ValueError(f"'{item}' is not host:port, e.g. 127.0.0.1:29400")
+        port = int(match.group(2)) if match.group(2) is not None else None
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"'{item}' has port {port}; a port is 0..65535")
+        endpoints.append((match.group(1), port))
+    return endpoints
+
+
+def load_config(path: str | Path | None, sources: dict[str, str] | None = None) -> JobConfig:
+    """Read a YAML job config (None: the defaults). Each key the file sets is recorded in
+    ``sources`` (key path -> "file: key") for later messages; :func:`validate` checks the rules
+    between keys."""
+    config = JobConfig()
+    if path is None:
+        return config
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the job config ({exc.strerror}); check --config") from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, e.g. 'job:'")
+    for section, values in document.items():
+        if section not in _section_names():
+            raise ConfigError(f"{source}: unknown section '{section}'{_did_you_mean(str(section), _section_names())}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys")
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            set_value(config, key, value, source=f"{source}: {key}")
+            if sources is not None:
+                sources[key] = f"{source}: {key}"
+    return config
+
+
+def set_value(config: JobConfig, path: str, value: Any, *, source: str) -> None:
+    """Set one key, coercing ``value`` to the key's type; errors name ``source``."""
+    if path not in all_key_paths():
+        raise ConfigError(f"{source}: unknown key{_did_you_mean(path, all_key_paths())}")
+    section, name = _split_path(path)
+    hint = typing.get_type_hints(_section_type(section))[name]
+    try:
+        coerced = _coerce(value, hint)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    setattr(getattr(config, section), name, coerced)
+
+
+def parse_override(assignment: str) -> tuple[str, Any]:
+    """``"section.key=value"`` (a ``--set`` argument) -> (path, value parsed as YAML)."""
+    path, sep, raw = assignment.partition("=")
+    if not sep or not path.strip():
+        raise ConfigError(f"--set {assignment}: write --set section.key=value, e.g. --set checkpoint.keep=5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {assignment}: the value is not valid YAML: {exc}") from exc
+    return path.strip(), value
+
+
+def validate(config: JobConfig, sources: dict[str, str]) -> None:
+    """Check the rules between and within keys; ``sources`` maps a key path to where its value
+    came from (file and key, flag, or environment variable) for the message."""
+
+    def fail(path: str, problem: str) -> typing.NoReturn:
+        raise ConfigError(f"{sources.get(path, f'default {path}')}: {problem}")
+
+    try:
+        parse_nnodes(config.job.nnodes)
+    except ValueError as exc:
+        fail("job.nnodes", str(exc))
+    nproc = config.job.nproc_per_node
+    if not (isinstance(nproc, int) and nproc >= 1) and nproc not in DEVICE_NPROC_VALUES:
+        fail("job.nproc_per_node", f"'{nproc}' must be a whole number >= 1 or one of {', '.join(DEVICE_NPROC_VALUES)}")
+    for path in ("job.max_restarts", "launch.node_rank"):
+        if config.get(path) < 0:
+            fail(path, f"{config.get(path)} is negative; use 0 or more")
+    if config.job.monitor_interval <= 0:
+        fail("job.monitor_interval", "must be > 0 seconds")
+    _validate_rendezvous(config, sources, fail)
+    for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of"):
+        if config.get(path) < 1:
+            fail(path, f"{config.get(path)} must be >= 1")
+    for path in ("restore.io_threads", "elastic.global_batch_size", "elastic.micro_batch_size"):
+        if config.get(path) is not None and config.get(path) < 1:
+            fail(path, f"{config.get(path)} must be >= 1 (or leave it unset)")
+    for path in ("launch.master_port", "observability.metrics_port"):
+        port = config.get(path)
+        if port is not None and not 0 <= port <= 65535:
+            fail(path, f"port {port} is outside 0..65535")
+    if config.launch.shutdown_timeout is not None and config.launch.shutdown_timeout < 0:
+        fail("launch.shutdown_timeout", "must be >= 0 seconds")
+    elastic = config.elastic
+    if (elastic.global_batch_size is None) != (elastic.micro_batch_size is None):
+        fail("elastic.global_batch_size", "set both elastic.global_batch_size and elastic.micro_batch_size, or neither")
+    if elastic.global_batch_size is not None and elastic.global_batch_size % elastic.micro_batch_size:
+        fail("elastic.global_batch_size", f"{elastic.global_batch_size} is not a multiple of elastic.micro_batch_size {elastic.micro_batch_size}")
+
+
+def _validate_rendezvous(config: JobConfig, sources: dict[str, str], fail: Any) -> None:
+    rdzv = config.rendezvous
+    if rdzv.endpoint:
+        try:
+            parse_endpoints(rdzv.endpoint)
+        except ValueError as exc:
+            fail("rendezvous.endpoint", str(exc))
+    elif rdzv.backend not in ("static", "c10d") and not rdzv.standalone:
+        fail("rendezvous.endpoint", f"backend '{rdzv.backend}' needs an endpoint, e.g. --rdzv-endpoint 127.0.0.1:2379")
+    known = KNOWN_RDZV_CONF_KEYS.get(rdzv.backend)
+    for key, value in rdzv.conf.items():
+        if known is not None and key not in known:
+            fail("rendezvous.conf", f"unknown option '{key}' for rendezvous backend '{rdzv.backend}'{_did_you_mean(key, known)}")
+        if key in _RDZV_DURATION_KEYS:
+            try:
+                seconds = parse_seconds(value)
+            except ValueError as exc:
+                fail("rendezvous.conf", f"{key}: {exc}")
+            if seconds != int(seconds):
+                fail("rendezvous.conf", f"{key}: {value} is not whole seconds; torch's rendezvous takes whole seconds")
+
+
+def rdzv_conf_for_torch(conf: dict[str, Any]) -> dict[str, Any]:
+    """``rendezvous.conf`` as torch's rendezvous reads it: durations as whole seconds."""
+    return {key: int(parse_seconds(value)) if key in _RDZV_DURATION_KEYS else value for key, value in conf.items()}
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    if hint is Seconds:
+        return parse_seconds(value)
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(" or ".join(errors))
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [item for item in value.split(",") if item]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{value!r} is not a list of strings")
+        return list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{value!r} is not a mapping of key: value")
+        return {str(k): v for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{value!r} is not a whole number")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{value!r} is not a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r} is not a string")
+        return value
+    raise AssertionError(f"config type {hint!r} has no coercion")
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(JobConfig)]
+
+
+def _section_type(section: str) -> type:
+    return typing.get_type_hints(JobConfig)[section]
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    section, _, name = path.partition(".")
+    return section, name
+
+
+def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    candidates = list(candidates)
+    # A right key name in the wrong section ("job.keep") is the likeliest slip; then typos.
+    close = [c for c in candidates if "." in word and c.rsplit(".", 1)[-1] == word.rsplit(".", 1)[-1]][:1]
+    close = close or difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,0 +1,75 @@
+"""What a rank learns from its agent: the environment contract between agent and worker.
+
+The agent exports torchrun's variables (RANK, WORLD_SIZE, ...) and the TORCHREVIVE_* variables
+below; :meth:`WorkerContext.from_env` reads both into one typed object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+CHECKPOINT_DIR = "TORCHREVIVE_CHECKPOINT_DIR"
+RESTORE_FROM = "TORCHREVIVE_RESTORE_FROM"
+PREV_WORLD_SIZE = "TORCHREVIVE_PREV_WORLD_SIZE"
+GRAD_ACCUM_STEPS = "TORCHREVIVE_GRAD_ACCUM_STEPS"
+EVENT_LOG = "TORCHREVIVE_EVENT_LOG"
+CONFIG = "TORCHREVIVE_CONFIG"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    """One rank's view of the job for the current round.
+
+    ``prev_world_size`` is None in the first round; ``restore_from`` is None when the agent chose
+    no snapshot (none exists yet, or the job runs without a checkpoint dir).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    restart_count: int
+    run_id: str
+    checkpoint_dir: str | None
+    restore_from: str | None
+    prev_world_size: int | None
+    grad_accum_steps: int
+    event_log: str | None
+    config_path: str | None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerContext":
+        """Read the context from the environment (a process started by the agent, or torchrun:
+        then the TORCHREVIVE_* fields take their defaults). Outside any launcher this is a
+        single-process world of size 1."""
+        env = os.environ if environ is None else environ
+
+        def integer(name: str, default: int) -> int:
+            raw = env.get(name, "")
+            try:
+                return int(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"environment variable {name}={raw!r} is not a whole number; the launcher sets it") from None
+
+        def optional(name: str) -> str | None:
+            return env.get(name) or None
+
+        prev = integer(PREV_WORLD_SIZE, 0)
+        return cls(
+            rank=integer("RANK", 0),
+            local_rank=integer("LOCAL_RANK", 0),
+            world_size=integer("WORLD_SIZE", 1),
+            local_world_size=integer("LOCAL_WORLD_SIZE", 1),
+            group_rank=integer("GROUP_RANK", 0),
+            restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            checkpoint_dir=optional(CHECKPOINT_DIR),
+            restore_from=optional(RESTORE_FROM),
+            prev_world_size=prev or None,
+            grad_accum_steps=integer(GRAD_ACCUM_STEPS, 1),
+            event_log=optional(EVENT_LOG),
+            config_path=optional(CONFIG),
+        )

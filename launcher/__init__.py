@@ -1,0 +1,1 @@
+"""The `torchrevive` command line: a torchrun-compatible launcher and snapshot tools."""

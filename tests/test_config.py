@@ -1,0 +1,161 @@
+"""The job config: YAML loading, typing, validation errors, and override precedence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError, JobConfig, load_config, parse_seconds, rdzv_conf_for_torch, validate
+from launcher.torchrun_flags import parse_run_args
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def resolve(tmp_path: Path, yaml_text: str, *flags: str):
+    return parse_run_args(["--config", write(tmp_path, yaml_text), *flags, "train.py"])
+
+
+def test_example_config_loads_and_validates():
+    config = load_config(Path(__file__).parents[1] / "configs" / "local.yaml")
+    validate(config, {})
+    assert config.rendezvous.backend == "c10d"
+    assert config.min_max_nodes == (1, 2)
+    assert config.rendezvous.conf["last_call_timeout"] == "1s"
+    assert rdzv_conf_for_torch(config.rendezvous.conf)["last_call_timeout"] == 1
+
+
+def test_round_trip_through_print_config_yaml(tmp_path):
+    config = resolve(tmp_path, "job: {nnodes: '2:4', max_restarts: 5}\ncheckpoint: {keep: 7}").config
+    again = load_config(write(tmp_path, config.to_yaml()))
+    assert again == config
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("checkpoint:\n  kep: 3\n", r"job.yaml: checkpoint.kep: unknown key \(did you mean 'checkpoint.keep'\?\)"),
+        ("chekpoint:\n  keep: 3\n", r"unknown section 'chekpoint' \(did you mean 'checkpoint'\?\)"),
+        ("job:\n  keep: 3\n", r"job.keep: unknown key \(did you mean 'checkpoint.keep'\?\)"),
+        ("checkpoint:\n  keep: three\n", r"job.yaml: checkpoint.keep: 'three' is not a whole number"),
+        ("job:\n  max_restarts: true\n", r"job.max_restarts: True is not a whole number"),
+        ("checkpoint:\n  verify: always\n", r"checkpoint.verify: 'always' is not one of off, sample, full"),
+        ("job:\n  monitor_interval: soon\n", r"job.monitor_interval: 'soon' is not a duration"),
+        ("[1, 2]\n", r"top level must be a mapping"),
+        ("job: [1]\n", r"section 'job' must be a mapping"),
+        ("job: {nnodes: '1:2'\n", r"not valid YAML"),
+    ],
+)
+def test_bad_yaml_gets_one_clear_error(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("job: {nnodes: '4:2'}", r"job.yaml: job.nnodes: '4:2' has min 4 > max 2"),
+        ("job: {nnodes: '0:2'}", r"job.nnodes: '0:2' has a minimum of 0"),
+        ("job: {nnodes: 'two'}", r"job.nnodes: 'two' is not N or MIN:MAX"),
+        ("job: {max_restarts: -1}", r"job.yaml: job.max_restarts: -1 is negative"),
+        ("job: {nproc_per_node: 'many'}", r"job.nproc_per_node: 'many' must be a whole number >= 1 or one of auto"),
+        ("rendezvous: {backend: c10d, endpoint: 'localhost:99999'}", r"rendezvous.endpoint: 'localhost:99999' has port 99999"),
+        ("rendezvous: {backend: c10d, endpoint: 'local host:1'}", r"rendezvous.endpoint: 'local host:1' is not host:port"),
+        ("rendezvous: {backend: etcd3}", r"rendezvous.endpoint: backend 'etcd3' needs an endpoint"),
+        ("rendezvous: {backend: c10d, conf: {join_timout: 5}}", r"unknown option 'join_timout' .*did you mean 'join_timeout'"),
+        ("rendezvous: {backend: c10d, conf: {join_timeout: 'ten'}}", r"join_timeout: 'ten' is not a duration"),
+        ("rendezvous: {backend: c10d, conf: {join_timeout: 1500ms}}", r"join_timeout: 1500ms is not whole seconds"),
+        ("checkpoint: {keep: 0}", r"checkpoint.keep: 0 must be >= 1"),
+        ("elastic: {global_batch_size: 64}", r"set both elastic.global_batch_size and elastic.micro_batch_size"),
+        ("elastic: {global_batch_size: 64, micro_batch_size: 5}", r"64 is not a multiple of elastic.micro_batch_size 5"),
+        ("observability: {metrics_port: 70000}", r"observability.metrics_port: port 70000 is outside"),
+    ],
+)
+def test_invalid_values_name_file_and_key(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        resolve(tmp_path, text)
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope.yaml: cannot read the job config"):
+        parse_run_args(["--config", str(tmp_path / "nope.yaml"), "train.py"])
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--nnodes", "3:1"], r"^--nnodes: '3:1' has min 3 > max 1"),
+        (["--max-restarts", "-2"], r"^--max-restarts: -2 is negative"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:port"], r"^--rdzv-endpoint: 'h:port' is not host:port"),
+        (["--set", "checkpoint.keep=many"], r"^--set checkpoint.keep=many: 'many' is not a whole number"),
+        (["--set", "checkpoint.kep=3"], r"did you mean 'checkpoint.keep'"),
+        (["--set", "checkpoint.keep"], r"write --set section.key=value"),
+        (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout"], r"^--rdzv-conf: .*must have a value"),
+    ],
+)
+def test_invalid_flags_name_the_flag(flags, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_run_args([*flags, "train.py"])
+
+
+def test_bad_pet_variable_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PET_NNODES", "5:2")
+    with pytest.raises(ConfigError, match=r"^environment PET_NNODES: '5:2' has min 5 > max 2"):
+        parse_run_args(["train.py"])
+
+
+YAML = """
+job: {nnodes: '1:4', max_restarts: 2, nproc_per_node: 3}
+rendezvous: {backend: c10d, endpoint: '127.0.0.1:1000', conf: {join_timeout: 30, last_call_timeout: 5}}
+"""
+
+
+def test_precedence_yaml_over_defaults(tmp_path):
+    config = resolve(tmp_path, YAML).config
+    assert (config.job.nnodes, config.job.max_restarts, config.job.nproc_per_node) == ("1:4", 2, 3)
+    assert config.job.monitor_interval == JobConfig().job.monitor_interval
+
+
+def test_precedence_env_over_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    monkeypatch.setenv("PET_NNODES", "2:2")
+    config = resolve(tmp_path, YAML).config
+    assert (config.job.nnodes, config.job.max_restarts, config.job.nproc_per_node) == ("2:2", 7, 3)
+
+
+def test_precedence_flag_over_env_over_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    config = resolve(tmp_path, YAML, "--max_restarts", "9", "--nproc-per-node", "auto").config
+    assert config.job.max_restarts == 9
+    assert config.job.nproc_per_node == "auto"
+
+
+def test_rdzv_conf_flag_overrides_yaml_keys_one_by_one(tmp_path):
+    config = resolve(tmp_path, YAML, "--rdzv-conf", "last_call_timeout=1").config
+    assert config.rendezvous.conf == {"join_timeout": 30, "last_call_timeout": "1"}
+
+
+def test_set_overrides_any_key_last(tmp_path):
+    config = resolve(tmp_path, YAML, "--set", "checkpoint.keep=9", "--set", "restore.replicated=stripe").config
+    assert (config.checkpoint.keep, config.restore.replicated) == (9, "stripe")
+
+
+def test_script_and_its_arguments_pass_through(tmp_path):
+    request = parse_run_args(["--nnodes", "1", "train.py", "--lr", "3", "--config", "x"])
+    assert request.script == "train.py"
+    assert request.script_args == ["--lr", "3", "--config", "x"]
+
+
+@pytest.mark.parametrize("text, seconds", [(30, 30.0), (2.5, 2.5), ("500ms", 0.5), ("30s", 30.0), ("2m", 120.0), ("1h", 3600.0)])
+def test_durations(text, seconds):
+    assert parse_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["-1", "10 minutes", True, "1d"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError):
+        parse_seconds(text)
