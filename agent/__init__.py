@@ -2,8 +2,11 @@
 
 >>> import agent
 >>> ctx = agent.WorkerContext.from_env()
+>>> stats = agent.restore("/ckpt/step_100", {"model": model, "optim": optim})
 """
 
+from agent.errors import RestoreError
+from agent.restore import RestoreStats, restore
 from agent.worker import WorkerContext
 
-__all__ = ["WorkerContext"]
+__all__ = ["RestoreError", "RestoreStats", "WorkerContext", "restore"]

@@ -2,14 +2,15 @@
 DDP (default) or FSDP2 (`--fsdp`), on gloo/CPU or NCCL/CUDA when GPUs are present.
 
 Run it under `torchrevive run` (or torchrun); it prints one line per step with the loss and the
-world size. `--crash-at-step S` makes rank 0 fail once at step S (first attempt only), to show the
-agent restarting its workers.
+world size. `--crash-at-step S` makes rank 0 fail at step S once per job (a marker file in the temp dir
+records it), to show the agent restarting its workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
-    parser.add_argument("--crash-at-step", type=int, default=None, help="rank 0 fails once at this step")
+    parser.add_argument("--crash-at-step", type=int, default=None, help="rank 0 fails at this step, once per job")
     return parser.parse_args()
 
 
@@ -44,6 +45,17 @@ def synthetic_batch(step: int, rank: int, batch_size: int, seed: int) -> tuple[t
     x = torch.randn(batch_size, 64, generator=generator)
     y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))
     return x, y
+
+
+def first_crash(run_id: str, step: int) -> bool:
+    """True exactly once per (job, step) on this machine: ranks move between nodes across restarts,
+    so neither the rank nor the restart count can tell whether the failure was injected already."""
+    marker = os.path.join(tempfile.gettempdir(), f"torchrevive-{run_id}-crash-at-{step}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def wrap(model: nn.Module, use_fsdp: bool, device: torch.device) -> nn.Module:
@@ -75,7 +87,7 @@ def main() -> None:
               f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
 
     for step in range(args.steps):
-        if step == args.crash_at_step and ctx.rank == 0 and ctx.restart_count == 0:
+        if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
             raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
         x, y = (t.to(device) for t in synthetic_batch(step, ctx.rank, args.batch_size, args.seed))
         loss = nn.functional.mse_loss(model(x), y)

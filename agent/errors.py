@@ -1,0 +1,9 @@
+"""torchrevive's errors: each message names the file, key or endpoint and says what to do."""
+
+
+class TorchreviveError(Exception):
+    """Base of every error torchrevive raises on purpose."""
+
+
+class RestoreError(TorchreviveError):
+    """A snapshot cannot be restored into the given state (missing, damaged, or of another model)."""

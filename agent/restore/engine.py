@@ -1,0 +1,236 @@
+"""restore(): plan every rank-local read of a snapshot, check it, then execute it and hand the
+state to each stateful's ``load_state_dict``."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+from torchsnapshot.flatten import flatten, inflate
+from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
+from torchsnapshot.manifest_utils import is_container_entry
+
+from agent.errors import RestoreError
+from agent.restore.manifest import TENSOR_ENTRY_TYPES, StoredTensor, load_metadata, manifest_for_rank, stored_tensor
+from agent.restore.plan import CopyOp, CoverageError, plan_copies, stripe
+from agent.restore.reader import SnapshotFiles, default_io_threads, read_ops
+from agent.restore.targets import Destination, allocate, destination_of, is_tensor_value, optimizer_templates, template_for
+
+MAX_OP_BYTES = 16 << 20
+"""Large copies are split into pieces of about this size so that threads share one big tensor."""
+MIN_STRIPE_BYTES = 1 << 20
+"""Replicated tensors smaller than this are read whole by every rank: a broadcast costs more."""
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """What one rank's restore did."""
+
+    snapshot: str
+    bytes_read: int
+    seconds: float
+    num_tensors: int
+    bytes_exchanged: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Bytes read from storage per second, in GB/s (10^9)."""
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Stateful:
+    key: str
+    obj: Any
+    containers: dict[str, Entry] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    ops: list[CopyOp] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)
+    striped: list[torch.Tensor] = field(default_factory=list)
+    num_tensors: int = 0
+
+
+def restore(
+    path: str | Path,
+    app_state: Mapping[str, Any],
+    *,
+    io_threads: int | None = None,
+    replicated: Literal["all", "stripe"] = "all",
+    trust_pickles: bool = False,
+    strict: bool = True,
+) -> RestoreStats:
+    """Restore a torchsnapshot snapshot into ``app_state``, resharded to this process group.
+
+    Each rank reads only the bytes of its own boxes, from mmap'ed files with ``io_threads``
+    threads (default: :func:`default_io_threads`), straight into the destination tensors.
+    ``replicated="stripe"`` (with an initialized process group) reads each replicated tensor
+    once per cluster, a stripe per rank, and exchanges the stripes. Pickled objects load with
+    ``weights_only`` semantics unless ``trust_pickles``.
+
+    Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
+    RestoreError naming the file and key. All of that is checked before the first byte is
+    copied, so after such an error the destination is untouched. Only an I/O failure during the
+    copy itself (a file vanishing mid-read) can leave tensors partly overwritten; then no
+    ``load_state_dict`` has been called and the error says so.
+    """
+    started = time.perf_counter()
+    root = Path(path)
+    metadata = load_metadata(root)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    manifest = manifest_for_rank(metadata, rank)
+    striping = replicated == "stripe" and world_size > 1
+    files = SnapshotFiles(root)
+    plan = _Plan()
+    try:
+        statefuls = [
+            _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
+                           trust_pickles=trust_pickles, strict=strict)
+            for key, obj in app_state.items()
+        ]
+        try:
+            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=io_threads or default_io_threads())
+        except OSError as exc:
+            raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
+                               "overwritten and no state was loaded: restore again or from another snapshot") from exc
+    finally:
+        files.close()
+    exchanged = _exchange_stripes(plan.striped, world_size)
+    for stateful in statefuls:
+        state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
+        if isinstance(stateful.obj, torch.nn.Module):
+            stateful.obj.load_state_dict(state_dict, strict=strict)
+        else:
+            stateful.obj.load_state_dict(state_dict)
+    return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged)
+
+
+def _plan_stateful(
+    key: str, obj: Any, manifest: dict[str, Entry], files: SnapshotFiles, plan: _Plan, *,
+    striping: bool, rank: int, world_size: int, trust_pickles: bool, strict: bool,
+) -> _Stateful:
+    container_manifest, flattened = flatten(obj.state_dict(), prefix=key)
+    prefix = next((p for p in container_manifest if "/" not in p), key)
+    entries = {p: e for p, e in manifest.items() if p == prefix or p.startswith(prefix + "/")}
+    if not entries:
+        held = sorted({p.split("/")[0] for p in manifest})
+        raise RestoreError(f"{files.path('')}: app_state key '{key}' is not in the snapshot (it holds {held})")
+    if strict and isinstance(obj, torch.nn.Module):
+        missing = sorted(p for p, v in flattened.items() if is_tensor_value(v) and p not in entries)
+        if missing:
+            raise RestoreError(f"{files.path('')}: '{missing[0]}' is not in the snapshot ({len(missing)} such keys); "
+                               "the snapshot is of another model, or pass strict=False")
+    templates = optimizer_templates(obj) if isinstance(obj, torch.optim.Optimizer) else []
+    stateful = _Stateful(key, obj)
+    for logical_path, entry in entries.items():
+        if is_container_entry(entry):
+            stateful.containers[logical_path] = entry
+        elif isinstance(entry, TENSOR_ENTRY_TYPES):
+            stored = stored_tensor(entry)
+            value = flattened.get(logical_path)
+            if not is_tensor_value(value):
+                value = allocate(stored, template_for(logical_path, templates))
+            stateful.values[logical_path] = value
+            _plan_tensor(logical_path, stored, destination_of(value), files, plan,
+                         striping=striping, rank=rank, world_size=world_size)
+        elif isinstance(entry, PrimitiveEntry):
+            stateful.values[logical_path] = entry.get_value()
+        elif isinstance(entry, ObjectEntry):
+            stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+        else:
+            raise RestoreError(f"{files.path('')}: '{logical_path}' has an entry of type {entry.type!r} that this "
+                               "version of torchrevive cannot restore")
+    return stateful
+
+
+def _plan_tensor(
+    logical_path: str, stored: StoredTensor, dest: Destination, files: SnapshotFiles, plan: _Plan, *,
+    striping: bool, rank: int, world_size: int,
+) -> None:
+    where = files.path(stored.chunks[0].location)
+    if stored.shape != dest.shape:
+        raise RestoreError(f"{where}: '{logical_path}' has shape {list(stored.shape)} in the snapshot but "
+                           f"{list(dest.shape)} in the destination; the snapshot is of another model")
+    if stored.dtype != dest.dtype:
+        raise RestoreError(f"{where}: '{logical_path}' has dtype {stored.dtype} in the snapshot but "
+                           f"{dest.dtype} in the destination; cast the model or restore a matching snapshot")
+    stored = _with_checked_files(logical_path, stored, files)
+    boxes = dest.boxes
+    stripe_it = (
+        striping and stored.replicated and dest.is_plain and dest.value.is_contiguous()
+        and len(stored.shape) > 0 and stored.shape[0] >= world_size
+        and dest.value.numel() * dest.value.element_size() >= MIN_STRIPE_BYTES
+    )
+    if stripe_it:
+        boxes = (stripe(stored.shape, rank, world_size),)
+        plan.striped.append(dest.value)
+    try:
+        ops = plan_copies(stored, boxes, max_op_bytes=MAX_OP_BYTES)
+    except CoverageError as exc:
+        raise RestoreError(f"{where}: '{logical_path}': {exc}; the snapshot's metadata is damaged") from exc
+    base = len(plan.targets)
+    plan.targets.extend(dest.local_tensors if not stripe_it else (dest.value,))
+    plan.ops.extend(CopyOp(op.chunk, op.target + base, op.src_start, op.dst_start, op.sizes) for op in ops)
+    plan.num_tensors += 1
+
+
+def _with_checked_files(logical_path: str, stored: StoredTensor, files: SnapshotFiles) -> StoredTensor:
+    """Check each chunk's file holds its bytes, and fill in the length of whole-file chunks."""
+    chunks = []
+    for chunk in stored.chunks:
+        try:
+            size = files.size(chunk.location)
+        except FileNotFoundError:
+            raise RestoreError(f"{files.path(chunk.location)}: missing, needed by '{logical_path}'; the snapshot "
+                               "is damaged: restore another one") from None
+        if chunk.byte_length < 0:
+            chunk = dataclasses.replace(chunk, byte_length=size - chunk.byte_offset)
+        needed = chunk.byte_length if not chunk.raw else max(chunk.byte_length, math.prod(chunk.sizes) * chunk.dtype.itemsize)
+        if chunk.byte_offset + needed > size:
+            raise RestoreError(f"{files.path(chunk.location)}: truncated ({size} bytes; '{logical_path}' needs bytes "
+                               f"{chunk.byte_offset}..{chunk.byte_offset + needed}); the snapshot is damaged: "
+                               "restore another one")
+        chunks.append(chunk)
+    return StoredTensor(stored.shape, stored.dtype, tuple(chunks), stored.replicated)
+
+
+def _load_object(logical_path: str, entry: ObjectEntry, files: SnapshotFiles, trust_pickles: bool) -> Any:
+    path = files.path(entry.location)
+    try:
+        payload = path.read_bytes()
+    except FileNotFoundError:
+        raise RestoreError(f"{path}: missing, needed by '{logical_path}'; the snapshot is damaged: restore another one") from None
+    try:
+        return torch.load(io.BytesIO(payload), weights_only=not trust_pickles, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if trust_pickles:
+            raise RestoreError(f"{path}: '{logical_path}' cannot be unpickled ({exc}); the snapshot is damaged") from exc
+        raise RestoreError(
+            f"{path}: '{logical_path}' is a pickled {entry.obj_type} that safe loading refuses (unpickling runs "
+            "code); if you trust this snapshot, pass trust_pickles=True (restore.trust_pickles: true)"
+        ) from exc
+    except (EOFError, RuntimeError) as exc:
+        raise RestoreError(f"{path}: '{logical_path}' is damaged ({exc}); restore another snapshot") from exc
+
+
+def _exchange_stripes(tensors: list[torch.Tensor], world_size: int) -> int:
+    """Each rank read one stripe of every striped tensor; broadcast each stripe from its reader."""
+    exchanged = 0
+    for tensor in tensors:
+        for owner in range(world_size):
+            box = stripe(tuple(tensor.shape), owner, world_size)
+            part = tensor[box.offsets[0] : box.offsets[0] + box.sizes[0]]
+            dist.broadcast(part, src=owner)
+            exchanged += part.numel() * part.element_size()
+    return exchanged

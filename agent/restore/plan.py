@@ -1,0 +1,121 @@
+"""Destination boxes x stored chunks -> copy operations. Pure data, no I/O.
+
+A *box* is a block of a global tensor: per-dimension ``offsets`` and ``sizes``. Each destination
+local tensor covers one box (the whole tensor, a DTensor's local shard, a ShardedTensor's local
+shard); each stored chunk covers another. Every non-empty intersection becomes one CopyOp (or a
+few, when it is large), and nothing outside the intersections is ever read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from agent.restore.manifest import StoredChunk, StoredTensor
+
+
+@dataclass(frozen=True)
+class Box:
+    """A block of a global tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: "Box") -> "Box | None":
+        """The common block, or None when they do not overlap (or one is empty)."""
+        starts = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        ends = tuple(
+            min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+        if any(e <= s for s, e in zip(starts, ends)) or self.numel == 0 or other.numel == 0:
+            return None
+        return Box(starts, tuple(e - s for s, e in zip(starts, ends)))
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """Copy ``sizes`` elements from a stored chunk (starting at ``src_start`` inside the chunk)
+    into destination tensor number ``target`` (starting at ``dst_start`` inside it)."""
+
+    chunk: StoredChunk
+    target: int
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this operation reads from storage."""
+        if not self.chunk.raw:
+            return self.chunk.byte_length
+        return math.prod(self.sizes) * self.chunk.dtype.itemsize
+
+
+class CoverageError(ValueError):
+    """The stored chunks leave part of a destination box uncovered (or cover it twice)."""
+
+
+def chunk_box(chunk: StoredChunk) -> Box:
+    return Box(chunk.offsets, chunk.sizes)
+
+
+def plan_copies(stored: StoredTensor, targets: Sequence[Box], *, max_op_bytes: int) -> list[CopyOp]:
+    """The copies that fill every target box from the stored chunks.
+
+    Raises CoverageError when a target box is not covered exactly once.
+    """
+    ops: list[CopyOp] = []
+    for index, target in enumerate(targets):
+        covered = 0
+        for chunk in stored.chunks:
+            common = target.intersect(chunk_box(chunk))
+            if common is None:
+                continue
+            covered += common.numel
+            op = CopyOp(
+                chunk=chunk,
+                target=index,
+                src_start=tuple(c - o for c, o in zip(common.offsets, chunk.offsets)),
+                dst_start=tuple(c - o for c, o in zip(common.offsets, target.offsets)),
+                sizes=common.sizes,
+            )
+            ops.extend(split_op(op, max_op_bytes) if chunk.raw else [op])
+        if covered != target.numel:
+            raise CoverageError(
+                f"the stored chunks cover {covered} of the {target.numel} elements of box "
+                f"offsets={list(target.offsets)} sizes={list(target.sizes)}"
+            )
+    return ops
+
+
+def split_op(op: CopyOp, max_op_bytes: int) -> list[CopyOp]:
+    """Split a large copy along its first dimension so that threads share big tensors."""
+    if not op.sizes or op.nbytes <= max_op_bytes or op.sizes[0] <= 1:
+        return [op]
+    row_bytes = op.nbytes // op.sizes[0]
+    rows = max(1, max_op_bytes // max(1, row_bytes))
+    pieces = []
+    for start in range(0, op.sizes[0], rows):
+        n = min(rows, op.sizes[0] - start)
+        pieces.append(
+            replace(
+                op,
+                src_start=(op.src_start[0] + start, *op.src_start[1:]),
+                dst_start=(op.dst_start[0] + start, *op.dst_start[1:]),
+                sizes=(n, *op.sizes[1:]),
+            )
+        )
+    return pieces
+
+
+def stripe(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
+    """Rank's share of a replicated tensor: a near-equal block of rows along dim 0."""
+    rows = shape[0]
+    start = rows * rank // world_size
+    end = rows * (rank + 1) // world_size
+    return Box((start, *([0] * (len(shape) - 1))), (end - start, *shape[1:]))

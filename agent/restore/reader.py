@@ -1,0 +1,155 @@
+"""Executes a read plan: each file mmap'ed once, a thread pool copying straight from the mapping
+into the destination tensors (torch's copy releases the GIL), CUDA destinations staged through
+a small ring of pinned host buffers with asynchronous host-to-device copies."""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from agent.restore.manifest import StoredChunk
+from agent.restore.plan import CopyOp
+
+PAGE = mmap.PAGESIZE
+
+
+def default_io_threads() -> int:
+    """Enough threads to keep storage busy (cold) and every core copying (warm)."""
+    return min(32, max(4, 2 * (os.cpu_count() or 1)))
+
+
+class SnapshotFiles:
+    """The snapshot's files, each opened and mapped once, privately and lazily."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def path(self, location: str) -> Path:
+        return self._root / location
+
+    def size(self, location: str) -> int:
+        """The file's size in bytes; raises FileNotFoundError when it is missing."""
+        return self.path(location).stat().st_size
+
+    def mapping(self, location: str) -> mmap.mmap:
+        with self._lock:
+            if location not in self._maps:
+                with open(self.path(location), "rb") as f:
+                    # A private writable mapping: torch.frombuffer wants a writable buffer, and
+                    # nothing is ever written, so every page stays shared with the page cache.
+                    self._maps[location] = mmap.mmap(
+                        f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                    )
+            return self._maps[location]
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            mapping.close()
+        self._maps.clear()
+
+
+def read_ops(ops: Sequence[CopyOp], targets: Sequence[torch.Tensor], files: SnapshotFiles, *, io_threads: int) -> int:
+    """Run every copy; returns the bytes read from storage. Ops go out in file order so that
+    each file is read front to back."""
+    ordered = sorted(ops, key=lambda op: (op.chunk.location, op.chunk.byte_offset, op.src_start))
+    stagers: dict[int, _CudaStager] = {}
+
+    def run(op: CopyOp) -> int:
+        dst = targets[op.target][tuple(slice(s, s + n) for s, n in zip(op.dst_start, op.sizes))]
+        if dst.is_cuda:
+            stager = stagers.setdefault(threading.get_ident(), _CudaStager(dst.device))
+            stager.copy(dst, lambda out: _copy_from_storage(op, files, out))
+        else:
+            _copy_from_storage(op, files, dst)
+        return op.nbytes
+
+    try:
+        if io_threads <= 1 or len(ordered) <= 1:
+            total = sum(map(run, ordered))
+        else:
+            with ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchrevive-read") as pool:
+                total = sum(pool.map(run, ordered))
+    finally:
+        for stager in stagers.values():
+            stager.finish()
+    return total
+
+
+def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
+    chunk = op.chunk
+    mapping = files.mapping(chunk.location)
+    if not chunk.raw:
+        payload = mapping[chunk.byte_offset : chunk.byte_offset + chunk.byte_length]
+        whole = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+        dst.copy_(whole.reshape(chunk.sizes)[tuple(slice(s, s + n) for s, n in zip(op.src_start, op.sizes))])
+        return
+    strides = _row_major_strides(chunk.sizes)
+    first = sum(s * st for s, st in zip(op.src_start, strides))
+    last = sum((s + n - 1) * st for s, n, st in zip(op.src_start, op.sizes, strides))
+    start_byte = chunk.byte_offset + first * chunk.dtype.itemsize
+    count = last - first + 1
+    src = torch.frombuffer(mapping, dtype=chunk.dtype, count=count, offset=start_byte)
+    dst.copy_(src.as_strided(op.sizes, strides))
+    del src
+    # Drop the pages from this process's mapping once copied: the page cache keeps them, and the
+    # process's resident set stays at the destination tensors instead of growing by the snapshot.
+    lo = start_byte // PAGE * PAGE
+    hi = min(len(mapping), math.ceil((start_byte + count * chunk.dtype.itemsize) / PAGE) * PAGE)
+    if hi > lo:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _row_major_strides(sizes: Iterable[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
+    for size in reversed(tuple(sizes)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _CudaStager:
+    """One thread's ring of pinned host buffers and its copy stream: storage -> pinned buffer
+    (CPU copy) -> device (asynchronous), with the next buffer filled while the last one uploads."""
+
+    RING = 2
+    BUFFER_BYTES = 64 << 20
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device=device)
+        self._buffers = [torch.empty(self.BUFFER_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.RING)]
+        self._events: list[torch.cuda.Event | None] = [None] * self.RING
+        self._next = 0
+
+    def copy(self, dst: torch.Tensor, fill: "callable") -> None:
+        nbytes = dst.numel() * dst.element_size()
+        slot = self._next
+        self._next = (slot + 1) % self.RING
+        if nbytes > self.BUFFER_BYTES:
+            staging = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+        else:
+            if self._events[slot] is not None:
+                self._events[slot].synchronize()
+            staging = self._buffers[slot][:nbytes].view(dst.dtype).view(dst.shape)
+        fill(staging)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        if nbytes > self.BUFFER_BYTES:
+            event.synchronize()
+        else:
+            self._events[slot] = event
+
+    def finish(self) -> None:
+        self._stream.synchronize()
