@@ -106,3 +106,33 @@ def test_fsdp2_and_dtensor_state_reshards(tmp_path, written, restored):
     path = str(tmp_path / "snapshot")
     run_ranks(written, write, path)
     run_ranks(restored, restore_and_check, path)
+
+
+def replicated_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(600, 700), nn.Linear(700, 8))  # 1.7 MB and 22 KB of weights
+
+
+def write_replicated(rank: int, world_size: int, path: str) -> None:
+    torchsnapshot.Snapshot.take(path, {"model": replicated_model(0)}, replicated=["**"])
+
+
+def restore_striped(rank: int, world_size: int, path: str) -> None:
+    model = replicated_model(1)
+    stats = agent.restore(path, {"model": model}, replicated="stripe")
+    for got, want in zip(model.state_dict().values(), replicated_model(0).state_dict().values()):
+        assert torch.equal(got, want)
+    big = 700 * 600 * 4
+    small = sum(t.numel() * 4 for name, t in model.state_dict().items() if name != "0.weight")
+    my_rows = 700 * (rank + 1) // world_size - 700 * rank // world_size
+    assert stats.bytes_read == my_rows * 600 * 4 + small, (rank, stats.bytes_read)
+    assert stats.bytes_exchanged == big
+    totals = torch.tensor([stats.bytes_read])
+    dist.all_reduce(totals)
+    assert totals.item() == big + world_size * small  # the big tensor is read once per cluster
+
+
+def test_replicated_state_is_read_once_per_cluster_in_stripes(tmp_path):
+    path = str(tmp_path / "snapshot")
+    run_ranks(2, write_replicated, path)
+    run_ranks(3, restore_striped, path)

@@ -166,21 +166,21 @@ def _plan_tensor(
         raise RestoreError(f"{where}: '{logical_path}' has dtype {stored.dtype} in the snapshot but "
                            f"{dest.dtype} in the destination; cast the model or restore a matching snapshot")
     stored = _with_checked_files(logical_path, stored, files)
-    boxes = dest.boxes
-    stripe_it = (
+    boxes, local_tensors = dest.boxes, dest.local_tensors
+    if (
         striping and stored.replicated and dest.is_plain and dest.value.is_contiguous()
         and len(stored.shape) > 0 and stored.shape[0] >= world_size
         and dest.value.numel() * dest.value.element_size() >= MIN_STRIPE_BYTES
-    )
-    if stripe_it:
-        boxes = (stripe(stored.shape, rank, world_size),)
+    ):
+        mine = stripe(stored.shape, rank, world_size)
+        boxes, local_tensors = (mine,), (dest.value[mine.offsets[0] : mine.offsets[0] + mine.sizes[0]],)
         plan.striped.append(dest.value)
     try:
         ops = plan_copies(stored, boxes, max_op_bytes=MAX_OP_BYTES)
     except CoverageError as exc:
         raise RestoreError(f"{where}: '{logical_path}': {exc}; the snapshot's metadata is damaged") from exc
     base = len(plan.targets)
-    plan.targets.extend(dest.local_tensors if not stripe_it else (dest.value,))
+    plan.targets.extend(local_tensors)
     plan.ops.extend(CopyOp(op.chunk, op.target + base, op.src_start, op.dst_start, op.sizes) for op in ops)
     plan.num_tensors += 1
 
