@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -98,9 +100,21 @@ def main() -> None:
         dist.all_reduce(reduced)
         if ctx.rank == 0:
             print(f"step={step + 1} loss={reduced.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    try:
+        main()  # @record has written the error file for the agent when this raises
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    else:
+        exit_code = 0
+    # The process group is left alive and the process ends without destructors: torch 2.13's
+    # gloo process group can deadlock in its destructor when DDP's reducer drops the last
+    # reference to it (a worker thread finishing a collective waits for the GIL that the
+    # destructor holds), and the agent would then wait on this worker forever.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

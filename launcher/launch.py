@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -20,8 +19,6 @@ from torch.distributed.launcher.api import LaunchConfig
 from agent.config import JobConfig
 from agent.recovery_agent import RecoveryAgent
 from launcher.torchrun_flags import RunRequest, torchrun_namespace
-
-DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def build_launch(request: RunRequest) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str]]:
@@ -53,11 +50,6 @@ def run_agent(
     config_path: str,
 ) -> dict[int, Any]:
     """Run a RecoveryAgent for one node, as torch's ``launch_agent`` runs a LocalElasticAgent."""
-    # By default the round's rank-0 agent keeps one TCPStore for its workers across rounds, and
-    # the workers' process-group keys (rank addresses) outlive the round: after a restart a new
-    # worker can read a dead peer's address and gloo/NCCL init fails or hangs. A fresh store per
-    # round, hosted by the new rank 0 worker, has no stale keys.
-    os.environ.setdefault(DISABLE_SHARED_STORE, "1")
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,

@@ -11,7 +11,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -131,7 +131,8 @@ class _CudaStager:
         self._events: list[torch.cuda.Event | None] = [None] * self.RING
         self._next = 0
 
-    def copy(self, dst: torch.Tensor, fill: "callable") -> None:
+    def copy(self, dst: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> None:
+        """Upload ``dst``'s bytes: ``fill`` writes them into a pinned staging tensor."""
         nbytes = dst.numel() * dst.element_size()
         slot = self._next
         self._next = (slot + 1) % self.RING

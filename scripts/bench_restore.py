@@ -1,0 +1,227 @@
+"""Restore benchmark: one model + Adam state, written once by torchsnapshot, torch.save and DCP,
+then restored into existing state by each method, warm (page cache) and cold (pages evicted),
+each method in its own process so that its peak extra RSS (the kernel's high-water mark VmHWM,
+reset after the destination state is built, minus the resident size then) is its own.
+
+    python scripts/bench_restore.py --size-gb 2 --json out.json
+
+Prints a table and writes {"size_bytes", "results": {METHOD: {"warm_gbps", "cold_gbps",
+"peak_extra_rss_bytes"}}, ...}. GB/s is state bytes (10^9) per second of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+METHODS = ["torchrevive", "torchsnapshot", "dcp", "torch_load", "torch_load_mmap", "raw_read"]
+WIDTH = 4096
+
+
+def build_state(size_bytes: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A stack of square Linear layers and Adam with its moments: 3 floats per weight. The moments
+    are set directly (no gradients), so that building never needs more memory than the state."""
+    layers = max(1, round(size_bytes / (3 * 4 * (WIDTH * WIDTH + WIDTH))))
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with torch.no_grad():
+        for p in model.parameters():
+            optim.state[p] = {"step": torch.tensor(float(seed + 1)), "exp_avg": p * 0.5 + seed, "exp_avg_sq": p.square()}
+    return model, optim
+
+
+def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    tensors = list(model.state_dict().values()) + [t for s in optim.state.values() for t in s.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": {f"{i}.{k}": v for i, s in optim.state_dict()["state"].items() for k, v in s.items()}}
+
+
+def write_all(root: Path, size_bytes: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    import torchsnapshot
+
+    model, optim = build_state(size_bytes, seed=0)
+    torchsnapshot.Snapshot.take(str(root / "torchsnapshot"), {"model": model, "optim": optim})
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, root / "state.pt")
+    dcp.save(dcp_state(model, optim), checkpoint_id=str(root / "dcp"))
+    os.sync()
+
+
+def files_of(root: Path, method: str) -> list[Path]:
+    where = {"torchsnapshot": root / "torchsnapshot", "torchrevive": root / "torchsnapshot", "raw_read": root / "torchsnapshot",
+             "dcp": root / "dcp", "torch_load": root / "state.pt", "torch_load_mmap": root / "state.pt"}[method]
+    return [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file())
+
+
+def evict(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(paths: list[Path], threads: int) -> None:
+    """Read every byte into a per-thread buffer (the /dev/null ceiling), files split in pieces."""
+    piece = 16 << 20
+    jobs = [(p, off) for p in paths for off in range(0, p.stat().st_size, piece)]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        buf = bytearray(piece)
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                path, off = jobs.pop()
+            with open(path, "rb", buffering=0) as f:
+                os.preadv(f.fileno(), [buf], off)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+
+
+def restore_once(method: str, root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    if method == "torchrevive":
+        import agent
+
+        agent.restore(root / "torchsnapshot", {"model": model, "optim": optim})
+    elif method == "torchsnapshot":
+        import torchsnapshot
+
+        torchsnapshot.Snapshot(str(root / "torchsnapshot")).restore({"model": model, "optim": optim})
+    elif method == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(dcp_state(model, optim), checkpoint_id=str(root / "dcp"))
+    elif method == "torch_load":
+        state = torch.load(root / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+    elif method == "torch_load_mmap":
+        state = torch.load(root / "state.pt", weights_only=True, mmap=True)
+        model.load_state_dict(state["model"])
+        # optim.load_state_dict would keep the lazily mapped tensors and read nothing yet: copy
+        # into the existing state instead, so that every byte is really restored.
+        for index, param_state in state["optim"]["state"].items():
+            for name, value in param_state.items():
+                optim.state[optim_params(optim)[index]][name].copy_(value)
+    elif method == "raw_read":
+        from agent.restore.reader import default_io_threads
+
+        raw_read(files_of(root, method), default_io_threads())
+    else:
+        raise ValueError(method)
+
+
+def optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of this process's resident set to its current size."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_method(method: str, root: Path, size_bytes: int, repeats: int) -> dict:
+    """In this (child) process: restore `repeats` times warm and cold; median seconds, peak RSS."""
+    model, optim = build_state(size_bytes, seed=1)
+    nbytes = state_bytes(model, optim)
+    files = files_of(root, method)
+    reset_peak_rss()
+    baseline = status_bytes("VmRSS")
+    result: dict = {"state_bytes": nbytes}
+    for mode in ("warm", "cold"):
+        times = []
+        if mode == "warm":
+            restore_once(method, root, model, optim)  # fill the page cache
+        for _ in range(repeats):
+            if mode == "cold":
+                evict(files)
+            start = time.perf_counter()
+            restore_once(method, root, model, optim)
+            times.append(time.perf_counter() - start)
+        result[f"{mode}_s"] = statistics.median(times)
+        result[f"{mode}_gbps"] = nbytes / result[f"{mode}_s"] / 1e9
+    result["peak_extra_rss_bytes"] = max(0, status_bytes("VmHWM") - baseline)
+    if method != "raw_read":
+        expected, _ = build_state(size_bytes, seed=0)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values())), method
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size_bytes = int(args.size_gb * 1e9)
+    if args.child:
+        print(json.dumps(measure_method(args.child[0], Path(args.child[1]), size_bytes, args.repeats)))
+        return
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="torchrevive-bench-") as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        write_all(root, size_bytes)
+        print(f"wrote the state three ways in {time.perf_counter() - t0:.1f} s", flush=True)
+        results = {}
+        for method in args.methods.split(","):
+            out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats),
+                                  "--child", method, str(root)], capture_output=True, text=True, check=True)
+            results[method] = json.loads(out.stdout.strip().splitlines()[-1])
+            r = results[method]
+            print(f"{method:16s} warm {r['warm_gbps']:6.2f} GB/s   cold {r['cold_gbps']:6.2f} GB/s   "
+                  f"peak extra RSS {r['peak_extra_rss_bytes'] / 2**20:8.0f} MiB", flush=True)
+    size = next(iter(results.values()))["state_bytes"]
+    report = {"size_bytes": size, "machine": machine(), "repeats": args.repeats,
+              "results": {m: {k: r[k] for k in ("warm_gbps", "cold_gbps", "peak_extra_rss_bytes", "warm_s", "cold_s")}
+                          for m, r in results.items()}}
+    if "torchrevive" in results:
+        ours = results["torchrevive"]
+        report["ratios"] = {f"torchrevive_vs_{m}_{mode}": ours[f"{mode}_gbps"] / r[f"{mode}_gbps"]
+                            for m, r in results.items() if m != "torchrevive" for mode in ("warm", "cold")}
+        for name, ratio in report["ratios"].items():
+            print(f"{name:40s} {ratio:6.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
+            "platform": sys.platform}
+
+
+if __name__ == "__main__":
+    main()
