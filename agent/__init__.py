@@ -5,8 +5,9 @@
 >>> stats = agent.restore("/ckpt/step_100", {"model": model, "optim": optim})
 """
 
+from agent.checkpoint import Checkpointer, CheckpointError
 from agent.errors import RestoreError
 from agent.restore import RestoreStats, restore
 from agent.worker import WorkerContext
 
-__all__ = ["RestoreError", "RestoreStats", "WorkerContext", "restore"]
+__all__ = ["CheckpointError", "Checkpointer", "RestoreError", "RestoreStats", "WorkerContext", "restore"]

@@ -2,7 +2,8 @@
 DDP (default) or FSDP2 (`--fsdp`), on gloo/CPU or NCCL/CUDA when GPUs are present.
 
 Run it under `torchrevive run` (or torchrun); it prints one line per step with the loss and the
-world size. `--crash-at-step S` makes rank 0 fail at step S once per job (a marker file in the temp dir
+world size. When the job config names a checkpoint dir, it resumes from the latest committed
+snapshot and saves every `checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0 fail at step S once per job (a marker file in the temp dir
 records it), to show the agent restarting its workers.
 """
 
@@ -37,7 +38,9 @@ def parse_args() -> argparse.Namespace:
 def build_model(width: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-        nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1),
+        # 8 outputs, not 1: torchsnapshot cannot save an empty FSDP2 shard, which a 1-row layer
+        # has on every rank but the first.
+        nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8),
     )
 
 
@@ -45,7 +48,7 @@ def synthetic_batch(step: int, rank: int, batch_size: int, seed: int) -> tuple[t
     """A deterministic batch for (step, rank): inputs and a smooth target to regress."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     x = torch.randn(batch_size, 64, generator=generator)
-    y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))
+    y = torch.sin(x[:, :8].cumsum(dim=1))
     return x, y
 
 
@@ -88,7 +91,15 @@ def main() -> None:
         print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={n_params} "
               f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
 
-    for step in range(args.steps):
+    # With a checkpoint dir in the job config: resume from the latest committed snapshot,
+    # resharded to this world size, and save every checkpoint.interval_steps.
+    ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
+    app_state = {"model": model, "optim": optimizer}
+    start = (ckpt.restore(app_state) or 0) if ckpt else 0
+    if start and ctx.rank == 0:
+        print(f"resumed from step {start}", flush=True)
+
+    for step in range(start, args.steps):
         if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
             raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
         x, y = (t.to(device) for t in synthetic_batch(step, ctx.rank, args.batch_size, args.seed))
@@ -100,6 +111,10 @@ def main() -> None:
         dist.all_reduce(reduced)
         if ctx.rank == 0:
             print(f"step={step + 1} loss={reduced.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+        if ckpt:
+            ckpt.maybe_save(step + 1, app_state)
+    if ckpt:
+        ckpt.wait()
 
 
 if __name__ == "__main__":

@@ -82,12 +82,19 @@ def test_exhausted_restarts_exit_nonzero_with_torchruns_summary(rdzv_endpoint):
     assert "injected failure at step 1" in output
 
 
-def test_example_config_trains_at_world_size_two(rdzv_endpoint):
-    args = ["--config", "configs/local.yaml", "--rdzv-endpoint", rdzv_endpoint, "examples/train.py", "--steps", "3", "--fsdp"]
-    [(code, output)] = run_nodes(1, args)
+def test_example_config_trains_at_world_size_two_and_resumes(rdzv_endpoint, tmp_path):
+    args = ["--config", "configs/local.yaml", "--rdzv-endpoint", rdzv_endpoint, "--set", f"checkpoint.dir={tmp_path}",
+            "--set", "checkpoint.interval_steps=2", "examples/train.py", "--fsdp", "--steps"]
+    [(code, output)] = run_nodes(1, [*args, "3"])
     assert code == 0, output
     assert "mode=fsdp2" in output
     assert steps_logged(output) == [(1, 2), (2, 2), (3, 2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+    # A second run resumes from the committed snapshot of step 2, with the same losses.
+    [(code, resumed)] = run_nodes(1, [*args, "3"])
+    assert code == 0, resumed
+    assert "resumed from step 2" in resumed
+    assert re.findall(r"step=3 loss=\S+", resumed) == re.findall(r"step=3 loss=\S+", output)
 
 
 def test_help_lists_every_torchrun_flag():

@@ -1,0 +1,168 @@
+"""Checkpointer: save through torchsnapshot, commit marker, latest(), retention, fallback, and
+real processes killed in the middle of a save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torchsnapshot
+from torch import nn
+
+from agent.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointError, is_committed, list_snapshots
+from agent.errors import RestoreError
+from conftest import REPO, worker_env
+
+
+def state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(64, 32)
+    return {"model": model, "progress": torchsnapshot.StateDict(step=seed)}
+
+
+def weights(app: dict) -> torch.Tensor:
+    return app["model"].weight.detach().clone()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_commit_latest_restore(tmp_path, async_save):
+    ckpt = Checkpointer(tmp_path, interval_steps=5, keep=3, async_save=async_save)
+    assert ckpt.latest() is None and ckpt.restore(state(0)) is None
+    saved = state(7)
+    assert not ckpt.maybe_save(3, saved) and ckpt.maybe_save(5, saved)
+    ckpt.wait()
+    assert ckpt.latest() == tmp_path / "step_5" and is_committed(tmp_path / "step_5")
+    target = state(1)
+    assert ckpt.restore(target) == 5
+    assert torch.equal(weights(target), weights(saved)) and target["progress"]["step"] == 7
+
+
+def test_retention_keeps_the_newest_committed(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    leftover = tmp_path / "step_1"
+    leftover.mkdir(parents=True)  # an uncommitted leftover of a crashed save
+    for step in (2, 3, 4, 5):
+        ckpt.save(step, state(step))
+    assert [s for s, _ in list_snapshots(tmp_path)] == [4, 5]
+
+
+def test_a_committed_snapshot_is_never_overwritten(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, state(1))
+    with pytest.raises(CheckpointError, match="step_1: a committed snapshot of step 1 exists"):
+        ckpt.save(1, state(2))
+
+
+def test_damaged_latest_falls_back_to_the_previous(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, state(1))
+    ckpt.save(2, state(2))
+    data = max((p for p in (tmp_path / "step_2").rglob("*") if p.is_file() and not p.name.startswith(".")),
+               key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    target = state(0)
+    with pytest.warns(UserWarning, match="falling back from .*step_2: .*truncated"):
+        assert ckpt.restore(target) == 1
+    assert torch.equal(weights(target), weights(state(1)))
+
+
+def test_no_snapshot_restores_is_an_error(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, state(1))
+    (tmp_path / "step_1" / ".snapshot_metadata").unlink()
+    with pytest.warns(UserWarning), pytest.raises(RestoreError, match="no committed snapshot restores"):
+        ckpt.restore(state(0))
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys, threading
+    import torch, torchsnapshot
+    from torch import nn
+    import agent.checkpoint as checkpoint
+    root, point = sys.argv[1], sys.argv[2]
+    if point == "mid-data":  # async saves need a process group
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+    ckpt = checkpoint.Checkpointer(root, async_save=point == "mid-data")
+    torch.manual_seed(1)
+    ckpt.save(1, {"model": nn.Linear(64, 32)})
+    ckpt.wait()
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    if point == "before-data":
+        torchsnapshot.Snapshot.take = die
+    elif point == "before-marker":
+        checkpoint._fsync_tree = die
+    big = {"model": nn.Linear(64, 32), "big": torchsnapshot.StateDict(t=torch.randn(4096, 4096))}
+    if point == "mid-data":
+        threading.Timer(0.05, die).start()
+    ckpt.save(2, big)
+    ckpt.wait()
+    print("not killed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("point", ["before-data", "mid-data", "before-marker"])
+def test_kill_during_save_keeps_the_previous_snapshot(tmp_path, point):
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path), point], cwd=REPO, env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    assert ckpt.latest() == tmp_path / "step_1"
+    assert not (tmp_path / "step_2" / COMMIT_MARKER).exists()
+    target = {"model": nn.Linear(64, 32)}
+    assert ckpt.restore(target) == 1
+    torch.manual_seed(1)
+    assert torch.equal(weights(target), nn.Linear(64, 32).weight.detach())
+    # the next save of step 2 replaces the leftover and commits
+    ckpt.save(2, {"model": nn.Linear(64, 32)})
+    assert ckpt.latest() == tmp_path / "step_2"
+
+
+def test_from_env_reads_the_job_config(tmp_path, monkeypatch):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"checkpoint: {{dir: {tmp_path / 'ck'}, interval_steps: 7, keep: 4, async_save: false}}\n"
+                      "restore: {io_threads: 2}\n")
+    monkeypatch.setenv("TORCHREVIVE_CONFIG", str(config))
+    monkeypatch.delenv("TORCHREVIVE_CHECKPOINT_DIR", raising=False)
+    ckpt = Checkpointer.from_env()
+    assert (ckpt.root, ckpt.interval_steps, ckpt.keep, ckpt.async_save) == (tmp_path / "ck", 7, 4, False)
+    assert ckpt.restore_options["io_threads"] == 2
+    monkeypatch.delenv("TORCHREVIVE_CONFIG")
+    with pytest.raises(CheckpointError, match="set checkpoint.dir"):
+        Checkpointer.from_env()
+
+
+def fsdp_save(rank: int, world_size: int, root: str) -> None:
+    from test_restore_reshard import build
+
+    model, optim = build(seed=0)
+    model(torch.randn(4, 10)).sum().backward()
+    optim.step()
+    ckpt = Checkpointer(root, keep=1, async_save=True)
+    ckpt.save(10, {"model": model, "optim": optim})
+    ckpt.wait()
+    torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, f"{root}/reference-{rank}.pt")
+
+
+def fsdp_restore(rank: int, world_size: int, root: str) -> None:
+    from test_restore_reshard import build
+
+    model, optim = build(seed=1)
+    assert Checkpointer(root).restore({"model": model, "optim": optim}) == 10
+    reference = torch.load(f"{root}/reference-0.pt", weights_only=True)
+    torch.testing.assert_close({k: v.full_tensor() for k, v in model.state_dict().items()}, reference, rtol=0, atol=0)
+    assert len(optim.state) == len(list(model.parameters()))
+
+
+def test_fsdp2_state_through_the_checkpointer_two_to_three_ranks(tmp_path):
+    from distributed import run_ranks
+
+    run_ranks(2, fsdp_save, str(tmp_path))
+    assert is_committed(tmp_path / "step_10")
+    run_ranks(3, fsdp_restore, str(tmp_path))
