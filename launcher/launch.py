@@ -122,6 +122,6 @@ def _static_master(params: RendezvousParameters) -> tuple[str | None, int | None
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[str]) -> str:
     if callable(entrypoint):
         return entrypoint.__name__
-    if entrypoint.endswith("python") or "python" in Path(entrypoint).name:
+    if "python" in Path(entrypoint).name:
         return next((a for a in args if not a.startswith("-")), entrypoint)
     return entrypoint
