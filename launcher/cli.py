@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from agent.config import ConfigError
+from agent.errors import TorchreviveError
 from launcher.torchrun_flags import parse_run_args
 
 USAGE = """usage: torchrevive COMMAND [ARGS...]
 
 commands:
-  run    launch an elastic training job; accepts every torchrun flag, plus --config job.yaml
-         (torchrevive run --help lists them)
+  run      launch an elastic training job; accepts every torchrun flag, plus --config job.yaml
+           (torchrevive run --help lists them)
+  inspect  PATH: what a snapshot holds (step, world size, size, tensors by dtype, committed)
+  list     DIR: the snapshots of a checkpoint directory and their state
 
 Replace `torchrun` with `torchrevive run` in any launch command.
 """
@@ -38,7 +43,67 @@ def run_command(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"run": run_command}
+def inspect_command(argv: Sequence[str]) -> int:
+    """`torchrevive inspect PATH`."""
+    parser = argparse.ArgumentParser(prog="torchrevive inspect", description="Summarize a snapshot.")
+    parser.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    from agent.snapshot_info import summarize
+
+    try:
+        summary = summarize(args.path)
+    except TorchreviveError as exc:
+        print(f"torchrevive inspect: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"snapshot    {summary.path}")
+    print(f"step        {summary.step if summary.step is not None else '-'}")
+    print(f"committed   {'yes' if summary.committed else 'no (Checkpointer.latest() skips it; agent.restore still reads it)'}")
+    print(f"written at  world size {summary.world_size}")
+    print(f"size        {_human(summary.size_bytes)}")
+    print(f"tensors     {sum(summary.tensors_by_dtype.values())} ({summary.sharded_tensors} sharded, "
+          f"{summary.replicated_tensors} replicated), {summary.objects} pickled objects")
+    for dtype, count in sorted(summary.tensors_by_dtype.items()):
+        print(f"  {dtype:12s} {count:6d} tensors  {_human(summary.bytes_by_dtype[dtype]):>10s}")
+    return 0
+
+
+def list_command(argv: Sequence[str]) -> int:
+    """`torchrevive list DIR`."""
+    parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
+    parser.add_argument("dir", type=Path)
+    args = parser.parse_args(argv)
+    from agent.snapshot_info import summarize
+    from agent.checkpoint import list_snapshots
+
+    snapshots = list_snapshots(args.dir)
+    if not snapshots:
+        print(f"{args.dir}: no step_<N> snapshots")
+        return 0
+    print(f"{'step':>8s}  {'state':11s}  {'world':>5s}  {'size':>10s}  path")
+    for step, path in snapshots:
+        try:
+            summary = summarize(path)
+            state = "committed" if summary.committed else "uncommitted"
+            world, size = str(summary.world_size), _human(summary.size_bytes)
+        except TorchreviveError:
+            state, world, size = "incomplete", "-", "-"
+        print(f"{step:8d}  {state:11s}  {world:>5s}  {size:>10s}  {path}")
+    return 0
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "run": run_command,
+    "inspect": inspect_command,
+    "list": list_command,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -166,3 +166,26 @@ def test_fsdp2_state_through_the_checkpointer_two_to_three_ranks(tmp_path):
     run_ranks(2, fsdp_save, str(tmp_path))
     assert is_committed(tmp_path / "step_10")
     run_ranks(3, fsdp_restore, str(tmp_path))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, env=worker_env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_list_and_inspect_show_each_snapshot_and_its_state(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(3, {"model": nn.Linear(64, 32), "extra": torchsnapshot.StateDict(h=torch.zeros(10, dtype=torch.float16))})
+    (tmp_path / "step_4").mkdir()  # a save that died before torchsnapshot wrote its metadata
+    listing = cli("list", str(tmp_path))
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("3", "committed", "1"), ("4", "incomplete", "-")]
+    shown = cli("inspect", str(tmp_path / "step_3"))
+    assert shown.returncode == 0, shown.stderr
+    assert "step        3" in shown.stdout and "committed   yes" in shown.stdout
+    assert "tensors     3 (0 sharded, 0 replicated)" in shown.stdout
+    assert "float32           2 tensors     8.1 KiB" in shown.stdout
+    assert "float16           1 tensors" in shown.stdout
+    missing = cli("inspect", str(tmp_path / "step_4"))
+    assert missing.returncode == 1 and "step_4/.snapshot_metadata: missing" in missing.stderr
