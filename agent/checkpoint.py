@@ -14,8 +14,9 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class Checkpointer:
         self._restored_from: Path | None = None
 
     @classmethod
-    def from_env(cls) -> "Checkpointer":
+    def from_env(cls) -> Checkpointer:
         """A Checkpointer configured by the job config the agent handed to this rank."""
         ctx = WorkerContext.from_env()
         config = load_config(ctx.config_path)

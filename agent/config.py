@@ -62,8 +62,8 @@ class JobSection:
     --max-restarts, --monitor-interval, --role)."""
 
     id: str = "none"
-    nnodes: Union[int, str] = "1:1"
-    nproc_per_node: Union[int, str] = 1
+    nnodes: int | str = "1:1"
+    nproc_per_node: int | str = 1
     max_restarts: int = 0
     monitor_interval: Seconds = Seconds(0.1)
     role: str = "default"

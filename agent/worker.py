@@ -7,8 +7,8 @@ below; :meth:`WorkerContext.from_env` reads both into one typed object.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 CHECKPOINT_DIR = "TORCHREVIVE_CHECKPOINT_DIR"
 RESTORE_FROM = "TORCHREVIVE_RESTORE_FROM"
@@ -41,7 +41,7 @@ class WorkerContext:
     config_path: str | None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerContext":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
         """Read the context from the environment (a process started by the agent, or torchrun:
         then the TORCHREVIVE_* fields take their defaults). Outside any launcher this is a
         single-process world of size 1."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -72,8 +72,8 @@ def list_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from agent.snapshot_info import summarize
     from agent.checkpoint import list_snapshots
+    from agent.snapshot_info import summarize
 
     snapshots = list_snapshots(args.dir)
     if not snapshots:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from torch.distributed import run as torchrun
 from torch.distributed.argparse_util import check_env, env

@@ -3,7 +3,6 @@ real processes killed in the middle of a save."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,11 +11,11 @@ import textwrap
 import pytest
 import torch
 import torchsnapshot
+from conftest import REPO, worker_env
 from torch import nn
 
 from agent.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointError, is_committed, list_snapshots
 from agent.errors import RestoreError
-from conftest import REPO, worker_env
 
 
 def state(seed: int) -> dict:

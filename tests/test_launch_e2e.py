@@ -9,9 +9,8 @@ import uuid
 
 import pytest
 import yaml
-from torch.distributed import run as torchrun
-
 from conftest import REPO, TORCHREVIVE, start_torchrevive
+from torch.distributed import run as torchrun
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 180

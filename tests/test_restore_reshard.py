@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchsnapshot
+from distributed import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import agent
-from distributed import run_ranks
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

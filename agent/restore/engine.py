@@ -8,9 +8,10 @@ import io
 import math
 import pickle
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist

@@ -9,8 +9,8 @@ few, when it is large), and nothing outside the intersections is ever read.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from agent.restore.manifest import StoredChunk, StoredTensor
 
@@ -26,7 +26,7 @@ class Box:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The common block, or None when they do not overlap (or one is empty)."""
         starts = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         ends = tuple(

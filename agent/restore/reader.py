@@ -9,13 +9,12 @@ import math
 import mmap
 import os
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
-from agent.restore.manifest import StoredChunk
 from agent.restore.plan import CopyOp
 
 PAGE = mmap.PAGESIZE
