@@ -44,12 +44,17 @@ def is_committed(path: Path) -> bool:
     return (path / COMMIT_MARKER).is_file()
 
 
+def step_of(path: Path) -> int | None:
+    """N for a ``step_<N>`` directory, else None."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def list_snapshots(root: Path) -> list[tuple[int, Path]]:
     """Every ``step_<N>`` directory under ``root``, committed or not, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
+    return sorted((step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir())
 
 
 class Checkpointer:
@@ -164,7 +169,7 @@ class Checkpointer:
                 ok = False
             if _all_ranks(ok):
                 self._restored_from = path
-                return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+                return step_of(path)
             warnings.warn(f"falling back from {path}: {failures[-1] if failures else 'another rank failed'}",
                           stacklevel=2)
         if candidates:

@@ -4,7 +4,6 @@ and files only, nothing restored."""
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 from torchsnapshot.manifest import DTensorEntry, ObjectEntry, ShardedTensorEntry
 from torchsnapshot.manifest_utils import is_fully_replicated_entry
 
-from agent.checkpoint import is_committed, list_snapshots
+from agent.checkpoint import is_committed, list_snapshots, step_of
 from agent.restore.manifest import TENSOR_ENTRY_TYPES, load_metadata, stored_tensor
 
 
@@ -35,10 +34,9 @@ class SnapshotSummary:
 def summarize(path: Path) -> SnapshotSummary:
     """Summarize one snapshot directory (written by the Checkpointer or plain torchsnapshot)."""
     metadata = load_metadata(path)
-    match = re.fullmatch(r"step_(\d+)", path.name)
     summary = SnapshotSummary(
         path=path,
-        step=int(match.group(1)) if match else None,
+        step=step_of(path),
         committed=is_committed(path),
         world_size=metadata.world_size,
         size_bytes=sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
