@@ -57,6 +57,11 @@ def list_snapshots(root: Path) -> list[tuple[int, Path]]:
     return sorted((step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir())
 
 
+def committed_snapshots(root: Path) -> list[tuple[int, Path]]:
+    """The committed ``step_<N>`` snapshots under ``root``, oldest first."""
+    return [(step, p) for step, p in list_snapshots(root) if is_committed(p)]
+
+
 class Checkpointer:
     """Saves and restores an ``app_state`` (name -> object with state_dict/load_state_dict).
 
@@ -111,8 +116,8 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         """The newest committed snapshot, or None."""
-        committed = [p for _, p in list_snapshots(self.root) if is_committed(p)]
-        return committed[-1] if committed else None
+        committed = committed_snapshots(self.root)
+        return committed[-1][1] if committed else None
 
     def save(self, step: int, app_state: Mapping[str, Any]) -> None:
         """Write ``app_state`` as ``step_<step>`` (every rank calls this with the same step)."""
@@ -156,7 +161,7 @@ class Checkpointer:
         """
         self.wait()
         chosen = WorkerContext.from_env().restore_from
-        candidates = [p for _, p in reversed(list_snapshots(self.root)) if is_committed(p)]
+        candidates = [p for _, p in reversed(committed_snapshots(self.root))]
         if chosen:
             candidates = [Path(chosen)] + [p for p in candidates if p != Path(chosen)]
         failures = []
@@ -196,11 +201,11 @@ class Checkpointer:
     def _prune(self, keep_also: Path) -> None:
         """Keep the newest ``keep`` committed snapshots; drop uncommitted leftovers older than the
         newest commit. Never the snapshot just written or the one restored from."""
-        snapshots = list_snapshots(self.root)
-        committed = [p for _, p in snapshots if is_committed(p)]
-        newest = max((s for s, p in snapshots if is_committed(p)), default=-1)
+        committed = committed_snapshots(self.root)
+        newest = committed[-1][0] if committed else -1
         protected = {keep_also, self._restored_from}
-        doomed = committed[: -self.keep] + [p for s, p in snapshots if not is_committed(p) and s < newest]
+        leftovers = [p for s, p in list_snapshots(self.root) if s < newest and not is_committed(p)]
+        doomed = [p for _, p in committed[: -self.keep]] + leftovers
         for path in doomed:
             if path not in protected:
                 shutil.rmtree(path, ignore_errors=True)

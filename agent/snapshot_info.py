@@ -11,7 +11,7 @@ from pathlib import Path
 from torchsnapshot.manifest import DTensorEntry, ObjectEntry, ShardedTensorEntry
 from torchsnapshot.manifest_utils import is_fully_replicated_entry
 
-from agent.checkpoint import is_committed, list_snapshots, step_of
+from agent.checkpoint import is_committed, step_of
 from agent.restore.manifest import TENSOR_ENTRY_TYPES, load_metadata, stored_tensor
 
 
@@ -59,7 +59,3 @@ def summarize(path: Path) -> SnapshotSummary:
             summary.replicated_tensors += 1
     return summary
 
-
-def summarize_dir(root: Path) -> list[SnapshotSummary]:
-    """Every ``step_<N>`` snapshot under a checkpoint directory, oldest first."""
-    return [summarize(path) for _, path in list_snapshots(root)]

@@ -3,8 +3,9 @@ DDP (default) or FSDP2 (`--fsdp`), on gloo/CPU or NCCL/CUDA when GPUs are presen
 
 Run it under `torchrevive run` (or torchrun); it prints one line per step with the loss and the
 world size. When the job config names a checkpoint dir, it resumes from the latest committed
-snapshot and saves every `checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0 fail at step S once per job (a marker file in the temp dir
-records it), to show the agent restarting its workers.
+snapshot and saves every `checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0
+fail at step S once per job (a marker file in the temp dir records it), to show the agent
+restarting its workers.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ import psutil
 import torch
 from torch import nn
 
+from agent.restore.targets import optimizer_templates
+
 METHODS = ["torchrevive", "torchsnapshot", "dcp", "torch_load", "torch_load_mmap", "raw_read"]
 WIDTH = 4096
 
@@ -123,19 +125,16 @@ def restore_once(method: str, root: Path, model: nn.Module, optim: torch.optim.O
         model.load_state_dict(state["model"])
         # optim.load_state_dict would keep the lazily mapped tensors and read nothing yet: copy
         # into the existing state instead, so that every byte is really restored.
+        params = optimizer_templates(optim)
         for index, param_state in state["optim"]["state"].items():
             for name, value in param_state.items():
-                optim.state[optim_params(optim)[index]][name].copy_(value)
+                optim.state[params[index]][name].copy_(value)
     elif method == "raw_read":
         from agent.restore.reader import default_io_threads
 
         raw_read(files_of(root, method), default_io_threads())
     else:
         raise ValueError(method)
-
-
-def optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optim.param_groups for p in group["params"]]
 
 
 def status_bytes(field: str) -> int:

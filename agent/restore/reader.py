@@ -31,14 +31,18 @@ class SnapshotFiles:
     def __init__(self, root: Path) -> None:
         self._root = root
         self._maps: dict[str, mmap.mmap] = {}
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def path(self, location: str) -> Path:
         return self._root / location
 
     def size(self, location: str) -> int:
-        """The file's size in bytes; raises FileNotFoundError when it is missing."""
-        return self.path(location).stat().st_size
+        """The file's size in bytes (stat'ed once: many tensors share one batched file); raises
+        FileNotFoundError when it is missing."""
+        if location not in self._sizes:
+            self._sizes[location] = self.path(location).stat().st_size
+        return self._sizes[location]
 
     def mapping(self, location: str) -> mmap.mmap:
         with self._lock:
@@ -64,10 +68,12 @@ def read_ops(ops: Sequence[CopyOp], targets: Sequence[torch.Tensor], files: Snap
     stagers: dict[int, _CudaStager] = {}
 
     def run(op: CopyOp) -> int:
-        dst = targets[op.target][tuple(slice(s, s + n) for s, n in zip(op.dst_start, op.sizes))]
+        dst = targets[op.target][_region(op.dst_start, op.sizes)]
         if dst.is_cuda:
-            stager = stagers.setdefault(threading.get_ident(), _CudaStager(dst.device))
-            stager.copy(dst, lambda out: _copy_from_storage(op, files, out))
+            thread = threading.get_ident()
+            if thread not in stagers:  # one ring of pinned buffers per thread, made once
+                stagers[thread] = _CudaStager(dst.device)
+            stagers[thread].copy(dst, lambda out: _copy_from_storage(op, files, out))
         else:
             _copy_from_storage(op, files, dst)
         return op.nbytes
@@ -90,7 +96,7 @@ def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> N
     if not chunk.raw:
         payload = mapping[chunk.byte_offset : chunk.byte_offset + chunk.byte_length]
         whole = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-        dst.copy_(whole.reshape(chunk.sizes)[tuple(slice(s, s + n) for s, n in zip(op.src_start, op.sizes))])
+        dst.copy_(whole.reshape(chunk.sizes)[_region(op.src_start, op.sizes)])
         return
     strides = _row_major_strides(chunk.sizes)
     first = sum(s * st for s, st in zip(op.src_start, strides))
@@ -106,6 +112,11 @@ def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> N
     hi = min(len(mapping), math.ceil((start_byte + count * chunk.dtype.itemsize) / PAGE) * PAGE)
     if hi > lo:
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _region(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """The index that selects ``sizes`` elements from ``starts`` in every dimension."""
+    return tuple(slice(start, start + size) for start, size in zip(starts, sizes))
 
 
 def _row_major_strides(sizes: Iterable[int]) -> tuple[int, ...]:
