@@ -115,6 +115,7 @@ class CheckpointSection:
     interval_steps: int = 100
     keep: int = 3
     async_save: bool = True
+    on_busy: Literal["wait", "skip"] = "wait"
     verify: Literal["off", "sample", "full"] = "sample"
 
 
@@ -135,6 +136,8 @@ class ElasticSection:
     world_size_multiple_of: int = 1
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
+    stop_grace: Seconds = Seconds(3.0)
+    """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
 
 
 @dataclass(kw_only=True)

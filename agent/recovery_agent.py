@@ -1,23 +1,52 @@
-"""The per-node recovery agent: torch.distributed.elastic's LocalElasticAgent, extended to give
-each round's workers a fresh store and to hand them the round's torchrevive context."""
+"""The per-node recovery agent: torch.distributed.elastic's LocalElasticAgent, extended to
+
+* watch the rendezvous for lost, hung and joining nodes and its own eviction, and stop its
+  workers at once on any change instead of waiting for a collective to time out;
+* count only real worker failures against ``max_restarts`` (a failure caused by a lost peer is a
+  membership change, as torchrun already treats a joining node);
+* give each round's workers a fresh store, the snapshot the round's leader chose, the gradient
+  accumulation steps for the new world size, and the TORCHREVIVE_* contract;
+* warm the page cache with the node's share of that snapshot while the workers start;
+* record every phase as an event (and in Prometheus metrics when a port is configured).
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from agent import worker
-from agent.config import JobConfig
+from agent.checkpoint import committed_snapshots
+from agent.config import ConfigError, JobConfig, parse_seconds
+from agent.errors import RestoreError
+from agent.events import EventLog, Metrics
+from agent.membership import Change, MembershipWatch
+from agent.prefetch import node_share, prefetch
 
-WORKER_STORE_PORT_KEY = "torchrevive/worker_store_port"
+WORKER_STORE_KEY = "torchrevive/worker_store"
+RESTORE_FROM_KEY = "torchrevive/restore_from"
+DEFAULT_KEEP_ALIVE_S = 5.0
+"""torch's dynamic rendezvous default keep_alive_interval."""
 
 
 class RecoveryAgent(LocalElasticAgent):
-    """A LocalElasticAgent that exports the TORCHREVIVE_* environment contract to its workers.
+    """A LocalElasticAgent that detects membership changes and hands each round its restore.
 
     Args:
         job: the resolved job config.
@@ -32,6 +61,19 @@ class RecoveryAgent(LocalElasticAgent):
         self._config_path = config_path
         self._prev_world_size: int | None = None
         self._worker_store: dist.TCPStore | None = None
+        self._restore_from: str = ""
+        self._grad_accum_steps = 1
+        handler = self._worker_group.spec.rdzv_handler
+        _publish_bootstrap_info_every_round(handler)
+        keep_alive = parse_seconds(job.rendezvous.conf.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_S))
+        self._heartbeat_timeout = keep_alive * int(job.rendezvous.conf.get("keep_alive_max_attempt", 3))
+        self._watch = MembershipWatch(handler, poll_interval=keep_alive / 2) if MembershipWatch.supports(handler) else None
+        node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
+        self.events = EventLog(job.observability.event_log, node=node)
+        self._metrics = Metrics.serve(job.observability.metrics_addr, job.observability.metrics_port)
+        self._previous_participants: frozenset[str] = frozenset()
+        self._restart_counted = False
+        self._prefetch_stop = threading.Event()
 
     def worker_environment(self) -> dict[str, str]:
         """The TORCHREVIVE_* variables for the round about to start."""
@@ -41,12 +83,104 @@ class RecoveryAgent(LocalElasticAgent):
             worker.CHECKPOINT_DIR: job.checkpoint.dir or "",
             worker.EVENT_LOG: job.observability.event_log or "",
             worker.PREV_WORLD_SIZE: str(self._prev_world_size or ""),
+            worker.RESTORE_FROM: self._restore_from,
+            worker.GRAD_ACCUM_STEPS: str(self._grad_accum_steps),
         }
 
+    # -- the monitor loop ----------------------------------------------------------------------
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        spec = self._worker_group.spec
+        self._initialize_workers(self._worker_group)
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(self._worker_group)
+            state = self._worker_group.state = result.state
+            self._metrics.set_remaining_restarts(self._remaining_restarts)
+            if state == WorkerState.SUCCEEDED:
+                self._exit_barrier()
+                return result
+            healthy = state == WorkerState.HEALTHY
+            change = self._membership_change(healthy)
+            if not healthy and change is None:
+                change = self._loss_behind_failure() or Change("worker_failed", failed_at=time.time())
+                if self._remaining_restarts <= 0:
+                    self._stop_workers(self._worker_group)
+                    self._worker_group.state = WorkerState.FAILED
+                    return result
+                self._remaining_restarts -= 1
+                self._restart_counted = True
+            if change is not None:
+                self._recover(change)
+
+    def _membership_change(self, workers_healthy: bool) -> Change | None:
+        if self._watch is not None:
+            return self._watch.check(workers_healthy=workers_healthy, now=not workers_healthy)
+        waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting()
+        return Change("node_joined") if workers_healthy and waiting > 0 else None
+
+    def _loss_behind_failure(self) -> Change | None:
+        """Workers failed: when a peer node died, they failed because of it. Its heartbeats lapse
+        within ``keep_alive_interval`` x ``keep_alive_max_attempt``; watch that long for it only
+        when no restart is left (otherwise the next rendezvous tells, and refunds the restart)."""
+        if self._watch is None or self._remaining_restarts > 0:
+            return None
+        deadline = time.monotonic() + self._heartbeat_timeout + 1
+        while time.monotonic() < deadline:
+            change = self._watch.check(workers_healthy=False)
+            if change is not None:
+                return change
+            time.sleep(0.2)
+        return None
+
+    def _recover(self, change: Change) -> None:
+        """Stop the workers at once, then rendezvous and start the next round."""
+        detected = time.time()
+        self.events.record("membership_change", cause=change.cause, lost=sorted(change.lost),
+                           joined=sorted(change.joined), failed_at=change.failed_at or detected,
+                           workers_blocked=change.workers_blocked, world_size=self._prev_world_size)
+        self._metrics.count_recovery(change.cause)
+        self._prefetch_stop.set()
+        started = time.monotonic()
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.STOPPED
+        self.events.record("workers_stopped", seconds=time.monotonic() - started)
+        self._initialize_workers(self._worker_group)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # torch's default gives workers 30 s after SIGTERM; a worker blocked in a collective
+        # with a dead peer never exits by itself, so the grace period is the job's.
+        self._shutdown(signal.SIGTERM, timeout=math.ceil(self._job.elastic.stop_grace))
+
+    # -- one round -------------------------------------------------------------------------------
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
         super()._rendezvous(worker_group)
+        store = worker_group.store
+        assert store is not None, "the rendezvous sets the round's store"
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._serve_fresh_worker_store(worker_group)
+        world_size = worker_group.workers[0].world_size
+        self._grad_accum_steps = grad_accum_steps(self._job, world_size)
+        self._restore_from = self._agree_on_snapshot(worker_group)
+        membership = self._watch.start_round() if self._watch else None
+        participants = membership.participants if membership else frozenset()
+        lost, joined = self._previous_participants - participants, participants - self._previous_participants
+        if self._previous_participants and (lost or joined) and self._restart_counted:
+            # The workers failed because the membership changed (a peer node was lost, or a
+            # peer's workers stopped for a joining node before this agent saw the join).
+            self._remaining_restarts += 1
+        self._restart_counted = False
+        self._previous_participants = participants
+        self._metrics.set_world_size(world_size)
+        self.events.record(
+            "rendezvous_done", seconds=time.monotonic() - started, round=membership.round if membership else None,
+            group_rank=worker_group.group_rank, nodes=sorted(participants), lost=sorted(lost),
+            joined=sorted(joined) if self._prev_world_size else [], world_size=world_size,
+            prev_world_size=self._prev_world_size, grad_accum_steps=self._grad_accum_steps,
+            restore_from=self._restore_from or None,
+        )
 
     def _serve_fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Point this round's workers at a new, empty TCPStore hosted by the round's leader agent.
@@ -56,18 +190,86 @@ class RecoveryAgent(LocalElasticAgent):
         workers read dead peers' addresses and gloo/NCCL init fails or hangs until its timeout.
         """
         store = worker_group.store
-        assert store is not None, "the rendezvous sets the round's store"
         if worker_group.group_rank == 0:
             self._worker_store = dist.TCPStore(
                 host_name=worker_group.master_addr, port=0, is_master=True, wait_for_workers=False
             )
-            store.set(WORKER_STORE_PORT_KEY, str(self._worker_store.port))
-        worker_group.master_port = int(store.get(WORKER_STORE_PORT_KEY))
+            store.set(WORKER_STORE_KEY, f"{worker_group.master_addr} {self._worker_store.port}")
+        address, port = store.get(WORKER_STORE_KEY).decode().split()
+        worker_group.master_addr, worker_group.master_port = address, int(port)
+
+    def _agree_on_snapshot(self, worker_group: WorkerGroup) -> str:
+        """The round's leader picks the latest committed snapshot; every node reads its choice."""
+        directory = self._job.checkpoint.dir
+        if worker_group.group_rank == 0:
+            committed = committed_snapshots(Path(directory)) if directory else []
+            worker_group.store.set(RESTORE_FROM_KEY, str(committed[-1][1]) if committed else "")
+        return worker_group.store.get(RESTORE_FROM_KEY).decode()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Worker processes inherit the agent's environment, and LocalElasticAgent offers no other
         # hook for extra variables, so the round's values are set here, before they start.
         os.environ.update(self.worker_environment())
+        started = time.monotonic()
         pids = super()._start_workers(worker_group)
+        self.events.record("workers_started", seconds=time.monotonic() - started,
+                           ranks=[w.global_rank for w in worker_group.workers])
         self._prev_world_size = worker_group.workers[0].world_size
+        if self._restore_from and self._job.restore.prefetch:
+            self._start_prefetch(worker_group)
         return pids
+
+    def _start_prefetch(self, worker_group: WorkerGroup) -> None:
+        self._prefetch_stop = stop = threading.Event()
+        snapshot = Path(self._restore_from)
+        ranks = [w.global_rank for w in worker_group.workers]
+        world_size = worker_group.workers[0].world_size
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                nbytes = prefetch(snapshot, node_share(snapshot, ranks, world_size), stop=stop)
+                self.events.record("prefetch_done", snapshot=str(snapshot), bytes=nbytes,
+                                   seconds=time.monotonic() - started, cancelled=stop.is_set())
+            except (OSError, RestoreError) as exc:  # best effort: the restore reads what is not warm
+                self.events.record("prefetch_done", snapshot=str(snapshot), bytes=0,
+                                   seconds=time.monotonic() - started, error=str(exc))
+
+        threading.Thread(target=run, name="torchrevive-prefetch", daemon=True).start()
+
+
+def _publish_bootstrap_info_every_round(handler: Any) -> None:
+    """Make the round's rank 0 publish MASTER_ADDR/MASTER_PORT in every round's store.
+
+    torch 2.13's DynamicRendezvousHandler publishes them only when rank 0 builds its bootstrap
+    info, i.e. in the first round it is rank 0 in; a node that joins a later round waits for them
+    in that round's store and times out after 60 s (found with a join after the first round).
+    """
+    if not isinstance(handler, DynamicRendezvousHandler):
+        return
+    next_rendezvous = handler.next_rendezvous
+
+    def next_rendezvous_published() -> RendezvousInfo:
+        info = next_rendezvous()
+        if info.rank == 0:
+            bootstrap = info.bootstrap_store_info
+            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr)
+            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port))
+        return info
+
+    handler.next_rendezvous = next_rendezvous_published
+
+
+def grad_accum_steps(job: JobConfig, world_size: int) -> int:
+    """Gradient accumulation steps that keep ``elastic.global_batch_size`` at this world size
+    (1 when no global batch is configured); ConfigError when none does."""
+    elastic = job.elastic
+    if elastic.global_batch_size is None:
+        return 1
+    micro = elastic.micro_batch_size or 1
+    per_step = micro * world_size
+    if elastic.global_batch_size % per_step:
+        raise ConfigError(f"elastic.global_batch_size {elastic.global_batch_size} is not a multiple of "
+                          f"micro_batch_size {micro} x world size {world_size}; pick sizes that divide, or set "
+                          "elastic.world_size_multiple_of")
+    return elastic.global_batch_size // per_step

@@ -12,6 +12,7 @@ from torchsnapshot.manifest import DTensorEntry, ObjectEntry, ShardedTensorEntry
 from torchsnapshot.manifest_utils import is_fully_replicated_entry
 
 from agent.checkpoint import is_committed, step_of
+from agent.checksums import load_checksums
 from agent.restore.manifest import TENSOR_ENTRY_TYPES, load_metadata, stored_tensor
 
 
@@ -29,6 +30,8 @@ class SnapshotSummary:
     sharded_tensors: int = 0
     replicated_tensors: int = 0
     objects: int = 0
+    checksummed_files: int | None = None
+    """Files with block checksums (None: the snapshot has no checksum record)."""
 
 
 def summarize(path: Path) -> SnapshotSummary:
@@ -40,14 +43,15 @@ def summarize(path: Path) -> SnapshotSummary:
         committed=is_committed(path),
         world_size=metadata.world_size,
         size_bytes=sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        checksummed_files=len(checksums.files) if (checksums := load_checksums(path)) else None,
     )
     seen: set[str] = set()
     for key, entry in metadata.manifest.items():
         logical_path = key.partition("/")[2]
         if isinstance(entry, ObjectEntry):
             summary.objects += 1
-        if not isinstance(entry, TENSOR_ENTRY_TYPES) or logical_path in seen:
-            continue
+        if not isinstance(entry, TENSOR_ENTRY_TYPES) or logical_path in seen or not getattr(entry, "shards", True):
+            continue  # (a rank whose shard was empty stored none)
         seen.add(logical_path)  # a sharded tensor appears once per rank that wrote a shard
         stored = stored_tensor(entry)
         name = str(stored.dtype).removeprefix("torch.")

@@ -1,12 +1,18 @@
-"""Restore benchmark: one model + Adam state, written once by torchsnapshot, torch.save and DCP,
-then restored into existing state by each method, warm (page cache) and cold (pages evicted),
-each method in its own process so that its peak extra RSS (the kernel's high-water mark VmHWM,
-reset after the destination state is built, minus the resident size then) is its own.
+"""Restore and save benchmark: one model + Adam state, written once by torchrevive's Checkpointer
+(torchsnapshot format, with checksums), torch.save and DCP, then restored into existing state by
+each method, warm (page cache) and cold (pages evicted), each method in its own process so that
+its peak extra RSS (the kernel's high-water mark VmHWM, reset after the destination state is
+built, minus the resident size then) is its own.
 
     python scripts/bench_restore.py --size-gb 2 --json out.json
 
 Prints a table and writes {"size_bytes", "results": {METHOD: {"warm_gbps", "cold_gbps",
-"peak_extra_rss_bytes"}}, ...}. GB/s is state bytes (10^9) per second of wall time.
+"peak_extra_rss_bytes"}}, "verify": {...}, "save": {...}, ...}. GB/s is state bytes (10^9) per
+second of wall time. ``torchrevive`` restores with the default ``verify="sample"``; ``verify``
+gives the cost of each verify mode against ``"off"``, measured in one process with the modes
+interleaved (separate processes differ by more than the cost itself). ``save`` is the time
+``Checkpointer.save`` blocks training, synchronous and asynchronous, beside a plain torchsnapshot
+``take`` and the checksum pass alone.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -29,6 +38,9 @@ from torch import nn
 from agent.restore.targets import optimizer_templates
 
 METHODS = ["torchrevive", "torchsnapshot", "dcp", "torch_load", "torch_load_mmap", "raw_read"]
+VERIFY_MODES = ("off", "sample", "full")
+SNAPSHOT = Path("ckpt") / "step_1"
+"""Where the Checkpointer's snapshot lies under the benchmark's root."""
 WIDTH = 4096
 
 
@@ -56,18 +68,19 @@ def dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
 
 def write_all(root: Path, size_bytes: int) -> None:
     import torch.distributed.checkpoint as dcp
-    import torchsnapshot
+
+    from agent.checkpoint import Checkpointer
 
     model, optim = build_state(size_bytes, seed=0)
-    torchsnapshot.Snapshot.take(str(root / "torchsnapshot"), {"model": model, "optim": optim})
+    Checkpointer(root / "ckpt", async_save=False).save(1, {"model": model, "optim": optim})
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, root / "state.pt")
     dcp.save(dcp_state(model, optim), checkpoint_id=str(root / "dcp"))
     os.sync()
 
 
 def files_of(root: Path, method: str) -> list[Path]:
-    where = {"torchsnapshot": root / "torchsnapshot", "torchrevive": root / "torchsnapshot", "raw_read": root / "torchsnapshot",
-             "dcp": root / "dcp", "torch_load": root / "state.pt", "torch_load_mmap": root / "state.pt"}[method]
+    where = {"dcp": root / "dcp", "torch_load": root / "state.pt", "torch_load_mmap": root / "state.pt"}.get(
+        method, root / SNAPSHOT)
     return [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file())
 
 
@@ -104,14 +117,15 @@ def raw_read(paths: list[Path], threads: int) -> None:
 
 
 def restore_once(method: str, root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> None:
-    if method == "torchrevive":
+    if method == "torchrevive" or method.startswith("verify_"):
         import agent
 
-        agent.restore(root / "torchsnapshot", {"model": model, "optim": optim})
+        agent.restore(root / SNAPSHOT, {"model": model, "optim": optim}, verify=method.removeprefix("verify_")
+                      if method.startswith("verify_") else "sample")
     elif method == "torchsnapshot":
         import torchsnapshot
 
-        torchsnapshot.Snapshot(str(root / "torchsnapshot")).restore({"model": model, "optim": optim})
+        torchsnapshot.Snapshot(str(root / SNAPSHOT)).restore({"model": model, "optim": optim})
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -177,6 +191,74 @@ def measure_method(method: str, root: Path, size_bytes: int, repeats: int) -> di
     return result
 
 
+def measure_verify(root: Path, size_bytes: int, repeats: int) -> dict:
+    """In this (child) process: restore with each verify mode, interleaved, warm and cold; the
+    median time of each mode relative to "off"."""
+    model, optim = build_state(size_bytes, seed=1)
+    files = files_of(root, "torchrevive")
+    restore_once("torchrevive", root, model, optim)
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for temperature in ("warm", "cold"):
+            for mode in VERIFY_MODES:
+                if temperature == "cold":
+                    evict(files)
+                start = time.perf_counter()
+                restore_once(f"verify_{mode}", root, model, optim)
+                times.setdefault(f"{temperature}_{mode}", []).append(time.perf_counter() - start)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return {f"{mode}_cost_{temperature}": median[f"{temperature}_{mode}"] / median[f"{temperature}_off"] - 1
+            for mode in VERIFY_MODES[1:] for temperature in ("warm", "cold")}
+
+
+def measure_save(root: Path, size_bytes: int, repeats: int) -> dict:
+    """In this (child) process, a one-rank gloo group (async_take needs a process group): how long
+    each way of saving blocks the caller, the time to commit, and the checksum pass alone."""
+    import torch.distributed as dist
+    import torchsnapshot
+
+    from agent.checkpoint import Checkpointer
+    from agent.checksums import data_files, digest_files
+
+    dist.init_process_group("gloo", init_method=f"file://{root / 'save-pg'}", rank=0, world_size=1)
+    model, optim = build_state(size_bytes, seed=2)
+    app = {"model": model, "optim": optim}
+    times: dict[str, list[float]] = {}
+
+    @contextmanager
+    def timed(name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        times.setdefault(name, []).append(time.perf_counter() - start)
+
+    for i in range(repeats):
+        work = root / "save"
+        plain = work / "plain"
+        with timed("torchsnapshot_take_s"):
+            torchsnapshot.Snapshot.take(str(plain), app)
+        with timed("checksum_s"):
+            digest_files(plain, data_files(plain))
+        sync = Checkpointer(work / "sync", async_save=False, keep=1)
+        with timed("sync_blocking_s"):
+            sync.save(i + 1, app)
+        background = Checkpointer(work / "async", async_save=True, keep=1)
+        with timed("async_blocking_s"):
+            background.save(i + 1, app)
+        with timed("async_commit_wait_s"):
+            background.wait()
+        shutil.rmtree(work)
+    dist.destroy_process_group()
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["checksum_share_of_sync_save"] = result["checksum_s"] / result["sync_blocking_s"]
+    return result
+
+
+def run_child(args: argparse.Namespace, *child: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats), *child],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
@@ -184,11 +266,20 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-save", action="store_true", help="skip the save measurements")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
+    parser.add_argument("--save-child", metavar="ROOT", help=argparse.SUPPRESS)
+    parser.add_argument("--verify-child", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     size_bytes = int(args.size_gb * 1e9)
     if args.child:
         print(json.dumps(measure_method(args.child[0], Path(args.child[1]), size_bytes, args.repeats)))
+        return
+    if args.verify_child:
+        print(json.dumps(measure_verify(Path(args.verify_child), size_bytes, args.repeats)))
+        return
+    if args.save_child:
+        print(json.dumps(measure_save(Path(args.save_child), size_bytes, args.repeats)))
         return
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="torchrevive-bench-") as tmp:
         root = Path(tmp)
@@ -197,16 +288,22 @@ def main() -> None:
         print(f"wrote the state three ways in {time.perf_counter() - t0:.1f} s", flush=True)
         results = {}
         for method in args.methods.split(","):
-            out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats),
-                                  "--child", method, str(root)], capture_output=True, text=True, check=True)
-            results[method] = json.loads(out.stdout.strip().splitlines()[-1])
-            r = results[method]
+            results[method] = r = run_child(args, "--child", method, str(root))
             print(f"{method:16s} warm {r['warm_gbps']:6.2f} GB/s   cold {r['cold_gbps']:6.2f} GB/s   "
                   f"peak extra RSS {r['peak_extra_rss_bytes'] / 2**20:8.0f} MiB", flush=True)
+        verify = run_child(args, "--verify-child", str(root))
+        save = None if args.no_save else run_child(args, "--save-child", str(root))
     size = next(iter(results.values()))["state_bytes"]
     report = {"size_bytes": size, "machine": machine(), "repeats": args.repeats,
               "results": {m: {k: r[k] for k in ("warm_gbps", "cold_gbps", "peak_extra_rss_bytes", "warm_s", "cold_s")}
                           for m, r in results.items()}}
+    report["verify"] = verify
+    for name, cost in verify.items():
+        print(f"verify {name:33s} {cost * 100:+6.1f}% of restore time")
+    if save:
+        report["save"] = save
+        for name, value in save.items():
+            print(f"save {name:35s} {value:8.3f}" + (" s" if name.endswith("_s") else ""))
     if "torchrevive" in results:
         ours = results["torchrevive"]
         report["ratios"] = {f"torchrevive_vs_{m}_{mode}": ours[f"{mode}_gbps"] / r[f"{mode}_gbps"]

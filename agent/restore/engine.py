@@ -3,9 +3,7 @@ state to each stateful's ``load_state_dict``."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import math
 import pickle
 import time
 from collections.abc import Mapping
@@ -19,11 +17,26 @@ from torchsnapshot.flatten import flatten, inflate
 from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
 from torchsnapshot.manifest_utils import is_container_entry
 
+from agent.checksums import load_checksums, sample, verify_blocks
 from agent.errors import RestoreError
-from agent.restore.manifest import TENSOR_ENTRY_TYPES, StoredTensor, load_metadata, manifest_for_rank, stored_tensor
+from agent.restore.manifest import (
+    TENSOR_ENTRY_TYPES,
+    StoredTensor,
+    fitted,
+    load_metadata,
+    manifest_for_rank,
+    stored_tensor,
+)
 from agent.restore.plan import CopyOp, CoverageError, plan_copies, stripe
-from agent.restore.reader import SnapshotFiles, default_io_threads, read_ops
-from agent.restore.targets import Destination, allocate, destination_of, is_tensor_value, optimizer_templates, template_for
+from agent.restore.reader import SnapshotFiles, byte_span, default_io_threads, read_ops
+from agent.restore.targets import (
+    Destination,
+    allocate,
+    destination_of,
+    is_tensor_value,
+    optimizer_templates,
+    template_for,
+)
 
 MAX_OP_BYTES = 16 << 20
 """Large copies are split into pieces of about this size so that threads share one big tensor."""
@@ -40,6 +53,7 @@ class RestoreStats:
     seconds: float
     num_tensors: int
     bytes_exchanged: int = 0
+    bytes_verified: int = 0
 
     @property
     def gbps(self) -> float:
@@ -60,6 +74,9 @@ class _Plan:
     ops: list[CopyOp] = field(default_factory=list)
     targets: list[torch.Tensor] = field(default_factory=list)
     striped: list[torch.Tensor] = field(default_factory=list)
+    objects: list[tuple[_Stateful, str, ObjectEntry]] = field(default_factory=list)
+    holders: dict[str, str] = field(default_factory=dict)
+    """file -> the first logical path read from it (for error messages)"""
     num_tensors: int = 0
 
 
@@ -71,6 +88,7 @@ def restore(
     replicated: Literal["all", "stripe"] = "all",
     trust_pickles: bool = False,
     strict: bool = True,
+    verify: Literal["off", "sample", "full"] = "sample",
 ) -> RestoreStats:
     """Restore a torchsnapshot snapshot into ``app_state``, resharded to this process group.
 
@@ -78,11 +96,13 @@ def restore(
     threads (default: :func:`default_io_threads`), straight into the destination tensors.
     ``replicated="stripe"`` (with an initialized process group) reads each replicated tensor
     once per cluster, a stripe per rank, and exchanges the stripes. Pickled objects load with
-    ``weights_only`` semantics unless ``trust_pickles``.
+    ``weights_only`` semantics unless ``trust_pickles``. When the snapshot has checksums (one
+    committed by the Checkpointer), ``verify="full"`` checks every block this rank reads before
+    copying it, ``"sample"`` one block in 32 and every file's size, ``"off"`` nothing.
 
     Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
     RestoreError naming the file and key. All of that is checked before the first byte is
-    copied, so after such an error the destination is untouched. Only an I/O failure during the
+    copied (checksums included), so after such an error the destination is untouched. Only an I/O failure during the
     copy itself (a file vanishing mid-read) can leave tensors partly overwritten; then no
     ``load_state_dict`` has been called and the error says so.
     """
@@ -100,8 +120,12 @@ def restore(
                            trust_pickles=trust_pickles, strict=strict)
             for key, obj in app_state.items()
         ]
+        threads = io_threads or default_io_threads()
+        verified = _verify(root, plan, verify, threads) if verify != "off" else 0
+        for stateful, logical_path, entry in plan.objects:
+            stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
         try:
-            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=io_threads or default_io_threads())
+            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=threads)
         except OSError as exc:
             raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
                                "overwritten and no state was loaded: restore again or from another snapshot") from exc
@@ -114,7 +138,24 @@ def restore(
             stateful.obj.load_state_dict(state_dict, strict=strict)
         else:
             stateful.obj.load_state_dict(state_dict)
-    return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged)
+    return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged, verified)
+
+
+def _verify(root: Path, plan: _Plan, mode: str, threads: int) -> int:
+    """Check the blocks the plan reads against the snapshot's checksums; bytes checked."""
+    checksums = load_checksums(root)
+    if checksums is None:
+        return 0
+    wanted: dict[str, set[int]] = {}
+    for op in plan.ops:
+        wanted.setdefault(op.chunk.location, set()).update(checksums.blocks_of(op.chunk.location, *byte_span(op)))
+    for _, _, entry in plan.objects:
+        size = checksums.files[entry.location].size if entry.location in checksums.files else 0
+        wanted.setdefault(entry.location, set()).update(checksums.blocks_of(entry.location, 0, size))
+    if mode == "sample":
+        wanted = {location: set(sample(location, blocks)) for location, blocks in wanted.items()}
+    return verify_blocks(root, checksums, wanted, lambda location: f"it holds '{plan.holders.get(location, '?')}': "
+                         "the snapshot is damaged, restore another one", threads=threads)
 
 
 def _plan_stateful(
@@ -148,7 +189,8 @@ def _plan_stateful(
         elif isinstance(entry, PrimitiveEntry):
             stateful.values[logical_path] = entry.get_value()
         elif isinstance(entry, ObjectEntry):
-            stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+            plan.objects.append((stateful, logical_path, entry))
+            plan.holders.setdefault(entry.location, logical_path)
         else:
             raise RestoreError(f"{files.path('')}: '{logical_path}' has an entry of type {entry.type!r} that this "
                                "version of torchrevive cannot restore")
@@ -180,6 +222,8 @@ def _plan_tensor(
         ops = plan_copies(stored, boxes, max_op_bytes=MAX_OP_BYTES)
     except CoverageError as exc:
         raise RestoreError(f"{where}: '{logical_path}': {exc}; the snapshot's metadata is damaged") from exc
+    for chunk in stored.chunks:
+        plan.holders.setdefault(chunk.location, logical_path)
     base = len(plan.targets)
     plan.targets.extend(local_tensors)
     plan.ops.extend(CopyOp(op.chunk, op.target + base, op.src_start, op.dst_start, op.sizes) for op in ops)
@@ -191,18 +235,13 @@ def _with_checked_files(logical_path: str, stored: StoredTensor, files: Snapshot
     chunks = []
     for chunk in stored.chunks:
         try:
-            size = files.size(chunk.location)
+            chunks.append(fitted(chunk, files.size(chunk.location)))
         except FileNotFoundError:
             raise RestoreError(f"{files.path(chunk.location)}: missing, needed by '{logical_path}'; the snapshot "
                                "is damaged: restore another one") from None
-        if chunk.byte_length < 0:
-            chunk = dataclasses.replace(chunk, byte_length=size - chunk.byte_offset)
-        needed = chunk.byte_length if not chunk.raw else max(chunk.byte_length, math.prod(chunk.sizes) * chunk.dtype.itemsize)
-        if chunk.byte_offset + needed > size:
-            raise RestoreError(f"{files.path(chunk.location)}: truncated ({size} bytes; '{logical_path}' needs bytes "
-                               f"{chunk.byte_offset}..{chunk.byte_offset + needed}); the snapshot is damaged: "
-                               "restore another one")
-        chunks.append(chunk)
+        except ValueError as exc:
+            raise RestoreError(f"{files.path(chunk.location)}: {exc} for '{logical_path}'; the snapshot is damaged: "
+                               "restore another one") from None
     return StoredTensor(stored.shape, stored.dtype, tuple(chunks), stored.replicated)
 
 

@@ -6,7 +6,8 @@ entry classes); this module picks a rank's entries and turns tensor entries into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -118,9 +119,34 @@ def stored_tensor(entry: Entry) -> StoredTensor:
         chunks = tuple(_chunk(c.tensor, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
         return StoredTensor(tuple(entry.shape), string_to_dtype(entry.dtype), chunks, entry.replicated)
     if isinstance(entry, (DTensorEntry, ShardedTensorEntry)):
+        if not entry.shards:
+            raise RestoreError("a sharded tensor with no stored shard (every shard was empty)")
         chunks = tuple(_chunk(s.tensor, tuple(s.offsets), tuple(s.sizes)) for s in entry.shards)
         return StoredTensor(_global_shape(chunks), chunks[0].dtype, chunks, False)
     raise AssertionError(f"not a tensor entry: {type(entry).__name__}")
+
+
+def fitted(chunk: StoredChunk, file_size: int) -> StoredChunk:
+    """The chunk with the length of a whole-file chunk filled in; ValueError when the file is too
+    short to hold it."""
+    if chunk.byte_length < 0:
+        chunk = replace(chunk, byte_length=file_size - chunk.byte_offset)
+    needed = chunk.byte_length if not chunk.raw else max(chunk.byte_length, math.prod(chunk.sizes) * chunk.dtype.itemsize)
+    if chunk.byte_offset + needed > file_size:
+        raise ValueError(f"truncated ({file_size} bytes; needs bytes {chunk.byte_offset}..{chunk.byte_offset + needed})")
+    return chunk
+
+
+def holders(metadata: SnapshotMetadata) -> dict[str, list[str]]:
+    """File (relative location) -> the manifest keys stored in it."""
+    found: dict[str, list[str]] = {}
+    for key, entry in metadata.manifest.items():
+        locations = [entry.location] if hasattr(entry, "location") else []
+        if isinstance(entry, TENSOR_ENTRY_TYPES) and not isinstance(entry, TensorEntry):
+            locations = [c.tensor.location for c in getattr(entry, "chunks", None) or entry.shards]
+        for location in locations:
+            found.setdefault(location, []).append(key)
+    return found
 
 
 def _global_shape(chunks: tuple[StoredChunk, ...]) -> tuple[int, ...]:

@@ -98,20 +98,28 @@ def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> N
         whole = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
         dst.copy_(whole.reshape(chunk.sizes)[_region(op.src_start, op.sizes)])
         return
-    strides = _row_major_strides(chunk.sizes)
-    first = sum(s * st for s, st in zip(op.src_start, strides))
-    last = sum((s + n - 1) * st for s, n, st in zip(op.src_start, op.sizes, strides))
-    start_byte = chunk.byte_offset + first * chunk.dtype.itemsize
-    count = last - first + 1
-    src = torch.frombuffer(mapping, dtype=chunk.dtype, count=count, offset=start_byte)
-    dst.copy_(src.as_strided(op.sizes, strides))
+    start_byte, end_byte = byte_span(op)
+    src = torch.frombuffer(mapping, dtype=chunk.dtype, count=(end_byte - start_byte) // chunk.dtype.itemsize,
+                           offset=start_byte)
+    dst.copy_(src.as_strided(op.sizes, _row_major_strides(chunk.sizes)))
     del src
     # Drop the pages from this process's mapping once copied: the page cache keeps them, and the
     # process's resident set stays at the destination tensors instead of growing by the snapshot.
     lo = start_byte // PAGE * PAGE
-    hi = min(len(mapping), math.ceil((start_byte + count * chunk.dtype.itemsize) / PAGE) * PAGE)
+    hi = min(len(mapping), math.ceil(end_byte / PAGE) * PAGE)
     if hi > lo:
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def byte_span(op: CopyOp) -> tuple[int, int]:
+    """The bytes of its file (start, end exclusive) that an operation reads."""
+    chunk = op.chunk
+    if not chunk.raw:
+        return chunk.byte_offset, chunk.byte_offset + chunk.byte_length
+    strides = _row_major_strides(chunk.sizes)
+    first = sum(s * st for s, st in zip(op.src_start, strides))
+    last = sum((s + n - 1) * st for s, n, st in zip(op.src_start, op.sizes, strides))
+    return chunk.byte_offset + first * chunk.dtype.itemsize, chunk.byte_offset + (last + 1) * chunk.dtype.itemsize
 
 
 def _region(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:

@@ -1,0 +1,58 @@
+"""A recovery's timeline from the event log alone: failure -> detection -> rendezvous -> workers
+started -> restore -> first step, with the recovery time (RTO) from failure to the first step.
+
+The failure time is the fault time when the caller knows it (a fault-injection harness), else the
+``failed_at`` the detecting agent recorded (the lost node's last heartbeat, or the time a local
+worker was seen failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Event = dict[str, Any]
+
+
+def recovery_after(events: Sequence[Event], since: float, failed_at: float | None = None) -> dict[str, Any] | None:
+    """The first recovery that starts at or after ``since`` and is complete (every rank of the
+    new round did its first step), or None while it is not."""
+    changes = [e for e in events if e["event"] == "membership_change" and e["time"] >= since]
+    if not changes:
+        return None
+    detected = min(e["time"] for e in changes)
+    first_change = min(changes, key=lambda e: e["time"])
+    failed = failed_at if failed_at is not None else min(first_change.get("failed_at") or detected, detected)
+    rendezvous = sorted((e for e in events if e["event"] == "rendezvous_done" and e["time"] >= detected),
+                        key=lambda e: e["time"])
+    first_steps = sorted((e for e in events if e["event"] == "first_step_done" and e["time"] >= detected),
+                         key=lambda e: e["time"])
+    for step in first_steps:
+        before = [r for r in rendezvous if r["time"] <= step["time"]]
+        if not before:
+            continue
+        last_round = before[-1]
+        same_round = [r["time"] for r in before if r.get("round") == last_round.get("round")]
+        round_start, rendezvous_done = min(same_round), max(same_round)
+        ranks = {e["rank"] for e in first_steps if round_start <= e["time"] <= step["time"]}
+        if len(ranks) < last_round["world_size"]:
+            continue
+        restores = [e for e in events if e["event"] == "restore_done" and round_start <= e["time"] <= step["time"]]
+        restore_start = max((e["time"] - e["seconds"] for e in restores), default=rendezvous_done)
+        restore_end = max((e["time"] for e in restores), default=rendezvous_done)
+        phases = {
+            "detect": detected - failed,
+            "rendezvous": rendezvous_done - detected,
+            "workers_start": max(0.0, restore_start - rendezvous_done),
+            "restore": restore_end - max(restore_start, rendezvous_done),
+            "first_step": step["time"] - restore_end,
+        }
+        return {
+            "recovery_s": step["time"] - failed,
+            "cause": first_change["cause"],
+            "world_size_before": first_change.get("world_size"),
+            "world_size_after": last_round["world_size"],
+            "restored_step": next((e.get("step") for e in restores), None),
+            "phases": phases,
+        }
+    return None

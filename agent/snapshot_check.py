@@ -1,0 +1,70 @@
+"""`torchrevive verify`: check a whole snapshot on storage, without restoring it.
+
+Every file the metadata names must exist and hold its chunks' bytes; when the snapshot has a
+checksum record (committed by the Checkpointer), every block of every file must match it. A plain
+torchsnapshot snapshot has no record: only its structure is checked, and the report says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checksums import ChecksumError, load_checksums, verify_blocks
+from agent.errors import RestoreError
+from agent.restore.manifest import (
+    TENSOR_ENTRY_TYPES,
+    fitted,
+    holders,
+    load_metadata,
+    stored_tensor,
+)
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What a check covered."""
+
+    files: int
+    bytes_checked: int
+    checksummed: bool
+
+
+def total_bytes(path: Path) -> int:
+    """The bytes a full check of ``path`` hashes (for a progress bar); 0 without checksums."""
+    checksums = load_checksums(path)
+    return checksums.total_bytes if checksums else 0
+
+
+def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], None] | None = None) -> CheckReport:
+    """Check ``path``; raise RestoreError (ChecksumError for bad bytes) naming the first bad file
+    and what it holds."""
+    metadata = load_metadata(path)
+    stored_in = holders(metadata)
+
+    def describe(location: str) -> str:
+        keys = stored_in.get(location, [])
+        held = f"'{keys[0]}'" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "") if keys else "no manifest key"
+        return f"it holds {held}"
+
+    for key, entry in metadata.manifest.items():
+        if not isinstance(entry, TENSOR_ENTRY_TYPES) or not getattr(entry, "shards", True):
+            continue
+        for chunk in stored_tensor(entry).chunks:
+            location = path / chunk.location
+            try:
+                fitted(chunk, location.stat().st_size)
+            except FileNotFoundError:
+                raise RestoreError(f"{location}: missing, needed by '{key}'") from None
+            except ValueError as exc:
+                raise RestoreError(f"{location}: {exc} for '{key}'") from None
+    checksums = load_checksums(path)
+    if checksums is None:
+        return CheckReport(len(stored_in), 0, checksummed=False)
+    wanted = {name: range(len(digest.blocks)) for name, digest in checksums.files.items()}
+    missing = sorted(set(stored_in) - set(wanted))
+    if missing:
+        raise ChecksumError(f"{path / missing[0]}: has no checksum; {describe(missing[0])}")
+    checked = verify_blocks(path, checksums, wanted, describe, threads=threads, progress=progress)
+    return CheckReport(len(wanted), checked, checksummed=True)

@@ -1,0 +1,75 @@
+"""The classic way to checkpoint and resume, for the baseline of scripts/local_cluster.py: plain
+torchrun, rank 0 `torch.save`s the whole state, and on every (re)start rank 0 `torch.load`s it
+and broadcasts every tensor to the other ranks. Same model and steps as examples/train.py (DDP).
+
+It appends {"time", "event": "saved" | "first_step_done", "step"} lines to --marks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from examples.train import build_model, synthetic_batch
+
+
+def mark(path: Path, event: str, step: int) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), "event": event, "step": step}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--interval-steps", type=int, default=5)
+    parser.add_argument("--marks", type=Path, required=True)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(build_model(args.width))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    checkpoint = args.dir / "state.pt"
+    step = torch.zeros((), dtype=torch.int64)
+    if checkpoint.exists():  # rank 0 reads everything, then broadcasts every tensor
+        state = torch.load(checkpoint, weights_only=True) if rank == 0 else None
+        model.load_state_dict(state["model"] if rank == 0 else model.state_dict())
+        for p in model.parameters():
+            optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        if rank == 0:
+            optimizer.load_state_dict(state["optim"])
+            step.fill_(state["step"])
+        for tensor in [*model.state_dict().values(), *(t for s in optimizer.state.values() for t in s.values()), step]:
+            dist.broadcast(tensor, src=0)
+    start = int(step)
+    for current in range(start, 1_000_000):
+        x, y = synthetic_batch(current, rank, args.batch_size, 0)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if current == start and rank == 0:
+            mark(args.marks, "first_step_done", current + 1)
+        if (current + 1) % args.interval_steps == 0 and rank == 0:
+            args.dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": current + 1},
+                       checkpoint.with_suffix(".tmp"))
+            os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
+            mark(args.marks, "saved", current + 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # see examples/train.py: torch 2.13's gloo destructor can deadlock

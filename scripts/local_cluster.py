@@ -1,0 +1,284 @@
+"""Fault-injection harness: K `torchrevive run` agents ("nodes") on 127.0.0.1 training
+examples/train.py with a state of a chosen size; once training is steady (a snapshot committed),
+a fault is injected and the recovery is timed from the job's event log.
+
+    python scripts/local_cluster.py --nodes 4 --nproc-per-node 1 --scenario kill --state-mb 512 \\
+        --baseline --json out.json
+
+Scenarios (several, comma-separated, run in sequence on the same job):
+  kill         SIGKILL a node (its agent and workers)
+  freeze       SIGSTOP a node; it is thawed (SIGCONT) after the others recovered, and rejoins
+  join         a node starts (the job starts with one node fewer) and the job grows
+  kill-worker  SIGKILL one worker process of a node
+Node 0 is started first and hosts the c10d store; the fault hits node --fault-node (default the
+last). `--baseline` runs the same scenario with plain torchrun and the classic restore (rank 0
+torch.load + broadcast, examples/classic_train.py), capped at --cap-s.
+
+JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
+"world_size_before", "world_size_after", "phases": {detect, rendezvous, workers_start, restore,
+first_step}}, "baseline": {"recovery_s", "capped", "cap_s"}}; with several scenarios, "runs" holds
+one such torchrevive result per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from agent.events import read_events
+from agent.recovery_timeline import recovery_after
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN_LAYERS = 3
+INPUT_WIDTH = 64
+
+
+def width_for(state_mb: float) -> int:
+    """The example MLP's hidden width whose parameters + Adam moments take about ``state_mb`` MB."""
+    params = state_mb * 1e6 / (3 * 4)
+    return max(64, int(math.sqrt(params / HIDDEN_LAYERS)))
+
+
+def state_bytes(width: int) -> int:
+    params = INPUT_WIDTH * width + width + (HIDDEN_LAYERS - 1) * (width * width + width) + width * 8 + 8
+    return params * 4 * 3
+
+
+class Cluster:
+    """K agents of one job, each in its own session so that a node's agent and workers are
+    signalled together."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.events = work / "events.jsonl"
+        self.width = width_for(args.state_mb)
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.config = work / "job.yaml"
+        conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
+                "keep_alive_max_attempt": 3}
+        self.config.write_text(yaml.safe_dump({
+            "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
+                    "max_restarts": 5, "monitor_interval": 0.1},
+            "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
+            "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps, "keep": 2},
+            "elastic": {"stop_grace": 2},
+            "observability": {"event_log": str(self.events)},
+        }))
+
+    def start(self, index: int) -> None:
+        log = open(self.work / f"node{index}.log", "w")  # noqa: SIM115 (open for the node's lifetime)
+        self.nodes[index] = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), "examples/train.py",
+             "--steps", "1000000", "--width", str(self.width)],
+            cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def signal(self, index: int, sig: signal.Signals) -> None:
+        """Signal a node: its agent and every worker (torch starts workers in sessions of their own)."""
+        _signal_tree(self.nodes[index].pid, sig)
+
+    def kill_worker(self, index: int) -> None:
+        workers = [p for p in psutil.Process(self.nodes[index].pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+        workers[-1].kill()
+
+    def stop(self) -> None:
+        for proc in self.nodes.values():
+            _signal_tree(proc.pid, signal.SIGCONT)
+            _signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def wait_for(self, predicate, timeout: float, what: str) -> Any:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            events = read_events(self.events) if self.events.exists() else []
+            found = predicate(events)
+            if found:
+                return found
+            time.sleep(0.2)
+        raise TimeoutError(f"no {what} within {timeout:.0f} s; see the node logs in {self.work}")
+
+
+def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
+    cluster = Cluster(args, work)
+    scenarios = args.scenario.split(",")
+    initial = args.nodes - 1 if scenarios[0] == "join" else args.nodes
+    results = []
+    try:
+        for index in range(initial):
+            cluster.start(index)
+            time.sleep(0.5 if index == 0 else 0.1)  # node 0 binds the c10d store first
+        for scenario in scenarios:
+            since = time.time()
+            cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
+                             args.timeout, "committed snapshot")
+            time.sleep(1.0)
+            fault_at = time.time()
+            fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
+            if scenario == "kill":
+                cluster.signal(fault, signal.SIGKILL)
+            elif scenario == "freeze":
+                cluster.signal(fault, signal.SIGSTOP)
+            elif scenario == "join":
+                cluster.start(max(cluster.nodes) + 1)
+            elif scenario == "kill-worker":
+                cluster.kill_worker(fault)
+            else:
+                raise SystemExit(f"--scenario: unknown scenario {scenario!r}")
+            timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
+                                        f"recovery after {scenario}")
+            results.append({"scenario": scenario, **timeline})
+            print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
+                  f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
+                  + "  ".join(f"{k} {v:.2f}" for k, v in timeline["phases"].items()), flush=True)
+            if scenario == "freeze":
+                cluster.signal(fault, signal.SIGCONT)  # it finds itself evicted and rejoins as a new node
+                thawed_at = time.time()
+                cluster.wait_for(lambda ev, t=thawed_at: recovery_after(ev, t), args.timeout, "the thawed node's rejoin")
+            if scenario in ("kill",):
+                cluster.nodes.pop(fault).wait()
+    finally:
+        cluster.stop()
+    return results
+
+
+def run_baseline(args: argparse.Namespace, work: Path, scenario: str) -> dict:
+    """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s."""
+    marks = work / "baseline-steps.jsonl"
+    width = width_for(args.state_mb)
+    procs = []
+    initial = args.nodes - 1 if scenario == "join" else args.nodes
+
+    def start(index: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{args.nodes}",
+             f"--nproc-per-node={args.nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.baseline_endpoint}",
+             f"--rdzv-id=baseline-{os.getpid()}", "--max-restarts=5", "--rdzv-conf=join_timeout=120",
+             "examples/classic_train.py", "--width", str(width), "--dir", str(work / "baseline-ckpt"),
+             "--interval-steps", str(args.interval_steps), "--marks", str(marks)],
+            cwd=REPO, env=_env(), stdout=open(work / f"baseline{index}.log", "w"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def marks_after(t: float) -> list[dict]:
+        return [m for m in (read_events(marks) if marks.exists() else []) if m["time"] > t]
+
+    try:
+        for index in range(initial):
+            procs.append(start(index))
+            time.sleep(0.5 if index == 0 else 0.1)
+        deadline = time.time() + args.timeout
+        while not any(m["event"] == "saved" for m in marks_after(0)):
+            if time.time() > deadline:
+                raise TimeoutError(f"baseline: no checkpoint within {args.timeout:.0f} s; see {work}/baseline*.log")
+            time.sleep(0.2)
+        time.sleep(1.0)
+        fault_at = time.time()
+        victim = procs[min(args.fault_node, len(procs) - 1)]
+        if scenario == "kill":
+            _signal_tree(victim.pid, signal.SIGKILL)
+        elif scenario == "freeze":
+            _signal_tree(victim.pid, signal.SIGSTOP)
+        elif scenario == "join":
+            procs.append(start(len(procs)))
+        elif scenario == "kill-worker":
+            [p for p in psutil.Process(victim.pid).children(recursive=True) if "classic_train" in " ".join(p.cmdline())][-1].kill()
+        while time.time() < fault_at + args.cap_s:
+            resumed = [m for m in marks_after(fault_at) if m["event"] == "first_step_done"]
+            if resumed:
+                return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s}
+            time.sleep(0.2)
+        return {"recovery_s": None, "capped": True, "cap_s": args.cap_s}
+    finally:
+        for proc in procs:
+            _signal_tree(proc.pid, signal.SIGCONT)
+            _signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_tree(pid: int, sig: signal.Signals) -> None:
+    """Signal a process and all its descendants (children first when stopping or killing, so
+    that none is left to respawn or notice)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in tree:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--scenario", default="kill")
+    parser.add_argument("--fault-node", type=int, default=None, help="index of the node to fault (default: the last)")
+    parser.add_argument("--backend", default="c10d")
+    parser.add_argument("--rdzv-endpoint", default=None)
+    parser.add_argument("--state-mb", type=float, default=64)
+    parser.add_argument("--interval-steps", type=int, default=5)
+    parser.add_argument("--baseline", action="store_true")
+    parser.add_argument("--cap-s", type=float, default=120)
+    parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.fault_node is None:
+        args.fault_node = args.nodes - 1
+    if args.backend == "c10d" and args.fault_node == 0 and "freeze" in args.scenario:
+        parser.error("--fault-node 0 hosts the c10d store: freezing it freezes the job's rendezvous (use etcd3)")
+    args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    args.baseline_endpoint = f"127.0.0.1:{_free_port()}"
+    work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
+    runs = run_scenarios(args, work)
+    report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
+                              "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
+                              "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None}
+    if args.baseline:
+        report["baseline"] = run_baseline(args, work, args.scenario.split(",")[0])
+        base = report["baseline"]
+        shown = f"> {base['cap_s']:.0f} s (capped)" if base["capped"] else f"{base['recovery_s']:.2f} s"
+        print(f"baseline (torchrun + rank-0 torch.load + broadcast): {shown}", flush=True)
+        if not base["capped"]:
+            report["speedup_vs_baseline"] = base["recovery_s"] / runs[0]["recovery_s"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
