@@ -47,8 +47,11 @@ KNOWN_RDZV_CONF_KEYS: dict[str, frozenset[str]] = {
     ),
     "static": frozenset({"rank", "timeout"}),
 }
+KNOWN_RDZV_CONF_KEYS["etcd3"] = KNOWN_RDZV_CONF_KEYS["etcd-v3"] = _DYNAMIC_RDZV_KEYS | {
+    "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password", "key_prefix", "lease_ttl",
+}
 _RDZV_DURATION_KEYS = frozenset(k for k in _DYNAMIC_RDZV_KEYS if k.endswith("timeout")) | {
-    "keep_alive_interval"
+    "keep_alive_interval", "lease_ttl"
 }
 
 

@@ -10,6 +10,7 @@ from the state is lost.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -52,7 +53,8 @@ class Change:
 
 
 class MembershipWatch:
-    """Compares the rendezvous state with the round this agent's workers run in.
+    """Compares the rendezvous state with the round this agent's workers run in. With a backend
+    that can watch its state (etcd3), every change of the state is checked as soon as it lands.
 
     Args:
         handler: the agent's rendezvous handler (a DynamicRendezvousHandler: c10d, etcd3).
@@ -65,6 +67,10 @@ class MembershipWatch:
         self._round: Membership | None = None
         self._last_poll = 0.0
         self._heartbeats: dict[str, float] = {}
+        self._changed = threading.Event()
+        backend = getattr(handler._state_holder, "_backend", None)
+        if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
+            backend.watch_state(self._changed.set)
 
     @staticmethod
     def supports(handler: Any) -> bool:
@@ -106,9 +112,11 @@ class MembershipWatch:
         """The change since ``start_round``, if any. Reads the state at most every poll_interval,
         unless ``now`` (workers just failed: was it because of a membership change?)."""
         clock = time.monotonic()
-        if self._round is None or (not now and clock - self._last_poll < self._poll_interval):
+        due = now or self._changed.is_set() or clock - self._last_poll >= self._poll_interval
+        if self._round is None or not due:
             return None
         self._last_poll = clock
+        self._changed.clear()
         current = self.read()
         if current.round != self._round.round or self.node not in current.participants:
             return Change("node_hung", lost=frozenset({self.node}))

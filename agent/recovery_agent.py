@@ -29,7 +29,9 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+)
 
 from agent import worker
 from agent.checkpoint import committed_snapshots

@@ -19,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from agent.config import JobConfig
 from agent.recovery_agent import RecoveryAgent
+from agent.rendezvous import etcd3_backend
 from launcher.torchrun_flags import RunRequest, torchrun_namespace
 
 
@@ -60,6 +61,8 @@ def run_agent(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    if config.rdzv_backend in etcd3_backend.NAMES:
+        etcd3_backend.register()  # normally done by the entry point, unless the package is not installed
     master_addr, master_port = _static_master(rdzv_parameters)
     spec = WorkerSpec(
         role=config.role,

@@ -23,6 +23,7 @@ one such torchrevive result per scenario.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -245,7 +246,8 @@ def main() -> None:
     parser.add_argument("--scenario", default="kill")
     parser.add_argument("--fault-node", type=int, default=None, help="index of the node to fault (default: the last)")
     parser.add_argument("--backend", default="c10d")
-    parser.add_argument("--rdzv-endpoint", default=None)
+    parser.add_argument("--rdzv-endpoint", default=None, help="default: a free port (c10d), or an etcd this script "
+                        "starts (etcd3)")
     parser.add_argument("--state-mb", type=float, default=64)
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--baseline", action="store_true")
@@ -256,12 +258,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.fault_node is None:
         args.fault_node = args.nodes - 1
-    if args.backend == "c10d" and args.fault_node == 0 and "freeze" in args.scenario:
-        parser.error("--fault-node 0 hosts the c10d store: freezing it freezes the job's rendezvous (use etcd3)")
-    args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    if args.backend == "c10d" and args.fault_node == 0:
+        parser.error("--fault-node 0 hosts the c10d store: faulting it ends the job's rendezvous (use --backend etcd3)")
     args.baseline_endpoint = f"127.0.0.1:{_free_port()}"
     work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
-    runs = run_scenarios(args, work)
+    with contextlib.ExitStack() as stack:
+        if args.backend == "etcd3" and not args.rdzv_endpoint:
+            from etcd_server import EtcdServer
+
+            args.rdzv_endpoint = stack.enter_context(EtcdServer(work / "etcd-data")).endpoint
+        args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+        runs = run_scenarios(args, work)
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
                               "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
                               "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None}

@@ -14,7 +14,13 @@ import torchsnapshot
 from conftest import REPO, worker_env
 from torch import nn
 
-from agent.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointError, is_committed, list_snapshots
+from agent.checkpoint import (
+    COMMIT_MARKER,
+    Checkpointer,
+    CheckpointError,
+    is_committed,
+    list_snapshots,
+)
 from agent.errors import RestoreError
 
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, JobConfig, load_config, parse_seconds, rdzv_conf_for_torch, validate
+from agent.config import (
+    ConfigError,
+    JobConfig,
+    load_config,
+    parse_seconds,
+    rdzv_conf_for_torch,
+    validate,
+)
 from launcher.torchrun_flags import parse_run_args
 
 

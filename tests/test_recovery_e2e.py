@@ -13,7 +13,7 @@ from agent.events import read_events
 from agent.snapshot_check import check_snapshot
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster  # noqa: E402
+import local_cluster
 
 
 def harness_args(**overrides) -> argparse.Namespace:

@@ -10,7 +10,13 @@ from torch.distributed import run as torchrun
 
 from agent.config import JobConfig
 from launcher.launch import build_launch
-from launcher.torchrun_flags import OWN_DESTS, SCRIPT_DESTS, TORCHRUN_FLAG_KEYS, build_run_parser, parse_run_args
+from launcher.torchrun_flags import (
+    OWN_DESTS,
+    SCRIPT_DESTS,
+    TORCHRUN_FLAG_KEYS,
+    build_run_parser,
+    parse_run_args,
+)
 
 
 def torch_actions() -> dict[str, argparse.Action]:

@@ -1,0 +1,1 @@
+"""Rendezvous backends registered with torch.distributed.elastic (``--rdzv-backend etcd3``)."""

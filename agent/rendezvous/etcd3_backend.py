@@ -1,0 +1,252 @@
+"""The ``etcd3`` rendezvous backend: torch.distributed.elastic's dynamic rendezvous over the etcd v3
+API, so that no agent is a single point of failure (the c10d backend's store lives in one agent)
+and etcd 3.6, which dropped the v2 API that torch's own etcd backends speak, works.
+
+* The rendezvous state is one key, ``<prefix>/<run_id>/state``; ``set_state`` is a transaction on
+  the key's mod_revision (the fencing token), so of two writers exactly one wins.
+* Keys are attached to a lease that the agent keeps alive: when every agent of a run is gone, the
+  run's keys expire after ``lease_ttl`` seconds.
+* ``Etcd3Store`` gives the round's key-value needs (torch's RendezvousInfo) on the same etcd.
+* ``watch_state`` calls back on every change of the state key, so the membership watch reacts to
+  a lapsed heartbeat or a joining node as soon as it lands instead of polling.
+
+Registered as ``etcd3`` and ``etcd-v3`` (see :func:`register` and the ``torchrun.handlers`` entry
+point in pyproject.toml). Options (``--rdzv-conf`` / ``rendezvous.conf``): ``read_timeout``,
+``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` (torch's etcd backend's names), ``user``,
+``password``, ``key_prefix``, ``lease_ttl``, plus the dynamic rendezvous' own timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
+
+logger = logging.getLogger(__name__)
+
+NAMES = ("etcd3", "etcd-v3")
+DEFAULT_PREFIX = "/torchrevive/rendezvous"
+DEFAULT_LEASE_TTL_S = 60
+DEFAULT_PORT = 2379
+
+
+class Etcd3Lease:
+    """This agent's lease, created on first use and refreshed in the background."""
+
+    def __init__(self, connection: Etcd3Connection, ttl: int) -> None:
+        self._connection = connection
+        self._ttl = ttl
+        self._lease: Any = None
+        self._lock = threading.Lock()
+        self._refresher: threading.Thread | None = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._lease is None:
+                self._lease = self._connection.call(lambda c: c.lease(self._ttl))
+                if self._refresher is None:
+                    self._refresher = threading.Thread(target=self._refresh, name="torchrevive-etcd3-lease", daemon=True)
+                    self._refresher.start()
+            return self._lease
+
+    def _refresh(self) -> None:
+        while True:
+            time.sleep(self._ttl / 3)
+            try:
+                remaining = self._connection.call(lambda c: c.refresh_lease(self._lease.id))
+                if not remaining or remaining[0].TTL <= 0:  # expired (etcd was down too long): a new one
+                    with self._lock:
+                        self._lease = None
+            except Exception:  # noqa: BLE001 (a background thread: log, and try again next period)
+                logger.warning("refreshing the etcd lease failed; retrying", exc_info=True)
+
+
+class Etcd3RendezvousBackend(RendezvousBackend):
+    """torch's ``RendezvousBackend`` on one etcd v3 key, compare-and-set on its mod_revision."""
+
+    def __init__(self, connection: Etcd3Connection, run_id: str, *, prefix: str, lease: Etcd3Lease) -> None:
+        if not run_id:
+            raise ValueError("the etcd3 rendezvous needs a run id (--rdzv-id / job.id)")
+        self._connection = connection
+        self._key = f"{prefix}/{run_id}/state"
+        self._lease = lease
+
+    @property
+    def name(self) -> str:
+        return "etcd3"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        value, meta = self._connection.call(lambda c: c.get(self._key))
+        return None if value is None else (value, meta.mod_revision)
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        lease = self._lease.get()
+
+        def transaction(client: Any) -> tuple[bool, list]:
+            txn = client.transactions
+            if token is None:
+                compare = [txn.version(self._key) == 0]
+            else:
+                compare = [txn.mod(self._key) == int(token)]
+            return client.transaction(compare=compare, success=[txn.put(self._key, state, lease), txn.get(self._key)],
+                                      failure=[txn.get(self._key)])
+
+        try:
+            int(token) if token is not None else None
+        except (TypeError, ValueError):
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        succeeded, responses = self._connection.call(transaction)
+        found = responses[-1]
+        if not found:
+            return None
+        value, meta = found[0]
+        return value, meta.mod_revision, succeeded
+
+    def watch_state(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from a background thread) whenever the state key changes."""
+        threading.Thread(target=self._watch, args=(callback,), name="torchrevive-etcd3-watch", daemon=True).start()
+
+    def _watch(self, callback: Callable[[], None]) -> None:
+        while True:
+            try:
+                events, cancel = self._connection.call(lambda c: c.watch(self._key))
+                for _ in events:
+                    callback()
+                cancel()
+            except Exception:  # noqa: BLE001 (reconnect; meanwhile the membership watch polls)
+                logger.debug("etcd watch on %s ended; re-establishing", self._key, exc_info=True)
+            time.sleep(0.5)
+
+
+class Etcd3Store(Store):
+    """A torch ``Store`` over etcd v3 keys under a prefix (values are bytes)."""
+
+    def __init__(self, connection: Etcd3Connection, prefix: str, lease: Etcd3Lease,
+                 timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()
+        self._connection = connection
+        self._prefix = prefix.rstrip("/") + "/"
+        self._lease = lease
+        self.set_timeout(timeout)
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._connection.call(lambda c: c.put(self._key(key), _bytes(value), self._lease.get()))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        value, _ = self._connection.call(lambda c: c.get(self._key(key)))
+        return value
+
+    def add(self, key: str, num: int) -> int:
+        full = self._key(key)
+        while True:
+            value, meta = self._connection.call(lambda c: c.get(full))
+            new = (int(value) if value is not None else 0) + num
+
+            def transaction(client: Any, value: bytes | None = value, meta: Any = meta, new: int = new) -> bool:
+                txn = client.transactions
+                compare = [txn.version(full) == 0] if value is None else [txn.mod(full) == meta.mod_revision]
+                succeeded, _ = client.transaction(compare=compare, success=[txn.put(full, str(new), self._lease.get())],
+                                                  failure=[])
+                return succeeded
+
+            if self._connection.call(transaction):
+                return new
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        full, expected, desired = self._key(key), _bytes(expected_value), _bytes(desired_value)
+
+        def transaction(client: Any) -> tuple[bool, list]:
+            txn = client.transactions
+            compare = [txn.version(full) == 0] if not expected else [txn.value(full) == expected]
+            return client.transaction(compare=compare, success=[txn.put(full, desired, self._lease.get())],
+                                      failure=[txn.get(full)])
+
+        succeeded, responses = self._connection.call(transaction)
+        if succeeded:
+            return desired
+        return responses[0][0][0] if responses[0] else expected
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._connection.call(lambda c, k=k: c.get(self._key(k)))[0] is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        delay = 0.01
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise LookupError(f"etcd3 store: keys {keys} under {self._prefix} not set within {limit:.0f} s")
+            time.sleep(delay)
+            delay = min(0.5, delay * 2)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._connection.call(lambda c: c.delete(self._key(key))))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+
+def options_from(params: RendezvousParameters) -> Etcd3Options:
+    """Connection options from ``--rdzv-endpoint host:port[,host:port...]`` and ``--rdzv-conf``."""
+    endpoints = tuple(parse_rendezvous_endpoint(e.strip(), default_port=DEFAULT_PORT)
+                      for e in params.endpoint.split(",") if e.strip())
+    if not endpoints:
+        raise ValueError("the etcd3 rendezvous needs --rdzv-endpoint HOST:PORT (several, comma-separated, for a cluster)")
+    read_timeout = params.get_as_int("read_timeout", 60)
+    if read_timeout is None or read_timeout <= 0:
+        raise ValueError(f"rdzv-conf read_timeout={read_timeout}: must be a positive number of seconds")
+    return Etcd3Options(
+        endpoints=endpoints,
+        ca_cert=params.get("ca_cert"),
+        cert=params.get("ssl_cert"),
+        cert_key=params.get("ssl_cert_key"),
+        user=params.get("user"),
+        password=params.get("password"),
+        read_timeout=float(read_timeout),
+    )
+
+
+def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's DynamicRendezvousHandler over the etcd3 backend and store."""
+    connection = Etcd3Connection(options_from(params))
+    prefix = str(params.get("key_prefix", DEFAULT_PREFIX)).rstrip("/")
+    lease = Etcd3Lease(connection, params.get_as_int("lease_ttl", DEFAULT_LEASE_TTL_S) or DEFAULT_LEASE_TTL_S)
+    backend = Etcd3RendezvousBackend(connection, params.run_id, prefix=prefix, lease=lease)
+    store = Etcd3Store(connection, f"{prefix}/{params.run_id}/store", lease)
+    return create_handler(store, backend, params)
+
+
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers what it returns."""
+    return create_etcd3_handler
+
+
+def register() -> None:
+    """Register the backend under its names (a no-op where the entry point already did)."""
+    for name in NAMES:
+        if name not in rendezvous_handler_registry._registry:
+            rendezvous_handler_registry.register(name, create_etcd3_handler)
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
