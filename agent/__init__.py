@@ -16,12 +16,13 @@ from typing import Any
 _EXPORTS = {
     "Checkpointer": "agent.checkpoint",
     "CheckpointError": "agent.checkpoint",
+    "ElasticSampler": "agent.elastic_sampler",
     "RestoreError": "agent.errors",
     "RestoreStats": "agent.restore",
     "restore": "agent.restore",
     "WorkerContext": "agent.worker",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["CheckpointError", "Checkpointer", "ElasticSampler", "RestoreError", "RestoreStats", "WorkerContext", "restore"]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.train import build_model, synthetic_batch
+from examples.train import build_model, synthetic_dataset
 
 
 def mark(path: Path, event: str, step: int) -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--marks", type=Path, required=True)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -52,8 +52,10 @@ def main() -> None:
         for tensor in [*model.state_dict().values(), *(t for s in optimizer.state.values() for t in s.values()), step]:
             dist.broadcast(tensor, src=0)
     start = int(step)
+    x_all, y_all, _ = synthetic_dataset(4096, 0).tensors
     for current in range(start, 1_000_000):
-        x, y = synthetic_batch(current, rank, args.batch_size, 0)
+        rows = torch.arange(args.batch_size) + (current * dist.get_world_size() + rank) * args.batch_size
+        x, y = x_all[rows % len(x_all)], y_all[rows % len(y_all)]
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

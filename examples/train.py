@@ -2,8 +2,11 @@
 DDP (default) or FSDP2 (`--fsdp`), on gloo/CPU or NCCL/CUDA when GPUs are present.
 
 Run it under `torchrevive run` (or torchrun); it prints one line per step with the loss and the
-world size. When the job config names a checkpoint dir, it resumes from the latest committed
-snapshot and saves every `checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0
+world size. Data comes through `agent.ElasticSampler`: every optimizer step sees the same global
+batch of samples (`--global-batch-size`) whatever the world size, with the gradient accumulation
+steps the agent hands over. When the job config names a checkpoint dir, it resumes (model,
+optimizer and data position) from the snapshot the agent chose and saves every
+`checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0
 fail at step S once per job (a marker file in the temp dir records it), to show the agent
 restarting its workers.
 """
@@ -11,6 +14,7 @@ restarting its workers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -19,6 +23,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import agent
@@ -28,7 +33,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=512, help="hidden width; 512 gives 0.56 M parameters (2.2 MB)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--global-batch-size", type=int, default=48,
+                        help="samples per optimizer step across all ranks (48 divides by 1, 2, 3, 4, 6 ranks)")
+    parser.add_argument("--samples", type=int, default=4096, help="dataset size")
+    parser.add_argument("--log-samples", default=None, help="append each step's sample ids (JSON lines) to this file")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
@@ -45,12 +53,11 @@ def build_model(width: int) -> nn.Module:
     )
 
 
-def synthetic_batch(step: int, rank: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic batch for (step, rank): inputs and a smooth target to regress."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    x = torch.randn(batch_size, 64, generator=generator)
-    y = torch.sin(x[:, :8].cumsum(dim=1))
-    return x, y
+def synthetic_dataset(samples: int, seed: int) -> TensorDataset:
+    """(input, target, sample id): a smooth target to regress, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 64, generator=generator)
+    return TensorDataset(x, torch.sin(x[:, :8].cumsum(dim=1)), torch.arange(samples))
 
 
 def first_crash(run_id: str, step: int) -> bool:
@@ -92,26 +99,46 @@ def main() -> None:
         print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={n_params} "
               f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
 
-    # With a checkpoint dir in the job config: resume from the latest committed snapshot,
+    dataset = synthetic_dataset(args.samples, args.seed)
+    accum = ctx.grad_accum_steps
+    micro = args.global_batch_size // (ctx.world_size * accum)
+    sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size, micro_batch_size=micro,
+                                   seed=args.seed)
+    loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
+
+    # With a checkpoint dir in the job config: resume from the snapshot the agent chose,
     # resharded to this world size, and save every checkpoint.interval_steps.
     ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
-    app_state = {"model": model, "optim": optimizer}
+    app_state = {"model": model, "optim": optimizer, "data": sampler}
     start = (ckpt.restore(app_state) or 0) if ckpt else 0
     if start and ctx.rank == 0:
         print(f"resumed from step {start}", flush=True)
 
+    batches = iter(loader)
     for step in range(start, args.steps):
         if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
             raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
-        x, y = (t.to(device) for t in synthetic_batch(step, ctx.rank, args.batch_size, args.seed))
-        loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = torch.zeros((), device=device)
+        ids = []
+        for _ in range(accum):  # the rank's micro-batches of this step's global batch
+            batch = next(batches, None)
+            if batch is None:  # the epoch ended: the sampler has moved on to the next one
+                batches = iter(loader)
+                batch = next(batches)
+            x, y, sample_ids = batch
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
+            loss.backward()
+            total += loss.detach()
+            ids.extend(sample_ids.tolist())
         optimizer.step()
-        reduced = loss.detach().clone()
-        dist.all_reduce(reduced)
+        sampler.advance()
+        dist.all_reduce(total)
         if ctx.rank == 0:
-            print(f"step={step + 1} loss={reduced.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+            print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+        if args.log_samples:
+            with open(args.log_samples, "a") as f:
+                f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "ids": ids}) + "\n")
         if ckpt:
             ckpt.maybe_save(step + 1, app_state)
     if ckpt:

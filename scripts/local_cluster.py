@@ -42,18 +42,19 @@ from agent.events import read_events
 from agent.recovery_timeline import recovery_after
 
 REPO = Path(__file__).resolve().parents[1]
-HIDDEN_LAYERS = 3
-INPUT_WIDTH = 64
+SQUARE_LAYERS = 2
+"""examples/train.py's MLP: 64 -> W, then two W x W layers, then W -> 8."""
 
 
 def width_for(state_mb: float) -> int:
     """The example MLP's hidden width whose parameters + Adam moments take about ``state_mb`` MB."""
     params = state_mb * 1e6 / (3 * 4)
-    return max(64, int(math.sqrt(params / HIDDEN_LAYERS)))
+    return max(64, int(math.sqrt(params / SQUARE_LAYERS)))
 
 
 def state_bytes(width: int) -> int:
-    params = INPUT_WIDTH * width + width + (HIDDEN_LAYERS - 1) * (width * width + width) + width * 8 + 8
+    """Parameters and Adam's two moments, float32."""
+    params = 64 * width + width + SQUARE_LAYERS * (width * width + width) + width * 8 + 8
     return params * 4 * 3
 
 
@@ -83,7 +84,8 @@ class Cluster:
         log = open(self.work / f"node{index}.log", "w")  # noqa: SIM115 (open for the node's lifetime)
         self.nodes[index] = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), "examples/train.py",
-             "--steps", "1000000", "--width", str(self.width)],
+             "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
+             *getattr(self.args, "train_args", [])],
             cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -94,6 +96,11 @@ class Cluster:
     def kill_worker(self, index: int) -> None:
         workers = [p for p in psutil.Process(self.nodes[index].pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
         workers[-1].kill()
+
+    def wait_done(self, timeout: float) -> list[int]:
+        """Wait for every node's agent to exit (a job with a finite --steps); their exit codes."""
+        deadline = time.time() + timeout
+        return [proc.wait(timeout=max(1.0, deadline - time.time())) for proc in self.nodes.values()]
 
     def stop(self) -> None:
         for proc in self.nodes.values():

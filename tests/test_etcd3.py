@@ -15,12 +15,17 @@ from conftest import REPO, free_port, worker_env
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from agent.events import read_events
-from agent.rendezvous.etcd3_backend import Etcd3Lease, Etcd3RendezvousBackend, Etcd3Store, options_from
+from agent.rendezvous.etcd3_backend import (
+    Etcd3Lease,
+    Etcd3RendezvousBackend,
+    Etcd3Store,
+    options_from,
+)
 from agent.rendezvous.etcd3_client import Etcd3Connection
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster  # noqa: E402
-from etcd_server import EtcdServer, etcd_available  # noqa: E402
+import local_cluster
+from etcd_server import EtcdServer, etcd_available
 
 if not etcd_available():
     if os.environ.get("CI"):

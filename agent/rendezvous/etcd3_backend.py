@@ -28,7 +28,11 @@ from typing import Any
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
@@ -68,7 +72,7 @@ class Etcd3Lease:
                 if not remaining or remaining[0].TTL <= 0:  # expired (etcd was down too long): a new one
                     with self._lock:
                         self._lease = None
-            except Exception:  # noqa: BLE001 (a background thread: log, and try again next period)
+            except Exception:  # a background thread: log, and try again next period
                 logger.warning("refreshing the etcd lease failed; retrying", exc_info=True)
 
 
@@ -125,7 +129,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
                 for _ in events:
                     callback()
                 cancel()
-            except Exception:  # noqa: BLE001 (reconnect; meanwhile the membership watch polls)
+            except Exception:  # reconnect; meanwhile the membership watch polls
                 logger.debug("etcd watch on %s ended; re-establishing", self._key, exc_info=True)
             time.sleep(0.5)
 

@@ -1,0 +1,159 @@
+"""A model of recovery time after a node loss, by phase, for three ways of bringing a job back:
+
+  classic      torchrun defaults; rank 0 `torch.load`s the whole checkpoint (one reader stream,
+               unpickling) and broadcasts every tensor to the other ranks;
+  parallel     torchrun defaults; every rank reads its own shard in parallel, torchsnapshot-style
+               (each chunk read into a buffer and copied again: a fraction of the storage speed);
+  torchrevive  heartbeat detection, re-rendezvous without the last-call wait, node prefetch during
+               worker start, sharded reads at storage speed, replicated state read once per
+               cluster (striped) and exchanged over the network.
+
+    python scripts/simulate_scale.py --gpus 512 --size-tb 1 --json out.json
+
+Every figure the model uses is an assumption printed with the result (override with flags);
+scripts/calibrate_scale.py checks the same model against what this machine measures.
+JSON: {"assumptions": {...}, "approaches": {NAME: {"total_s", "phases": {PHASE: s}, "bound_by"}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+PHASES = ("detect", "rendezvous", "workers_start", "restore", "first_step")
+
+
+@dataclass
+class Assumptions:
+    """Cluster, storage and software figures (GB = 1e9 bytes). Defaults: a 512-GPU cluster of 64
+    nodes x 8 GPUs on a parallel filesystem; see docs/scale.md for where each figure comes from."""
+
+    gpus: int = 512
+    gpus_per_node: int = 8
+    size_bytes: float = 1e12
+    replicated_fraction: float = 0.0
+    """Part of the state every data-parallel rank holds whole (0 for FSDP/ZeRO-3)."""
+    storage_aggregate_gbps: float = 200.0
+    """Parallel filesystem aggregate read bandwidth."""
+    client_gbps: float = 10.0
+    """What one node can read from it (client and NIC limits)."""
+    stream_gbps: float = 0.6
+    """One reader stream: torch.load of a pickle, single-threaded."""
+    nic_gbps: float = 40.0
+    """Per-node network bandwidth for broadcasts (400 Gb/s NIC at ~80% efficiency)."""
+    parallel_efficiency: float = 0.25
+    """torchsnapshot-style restore speed as a fraction of the storage speed (read into buffers,
+    copied twice): measured 0.23-0.28 on this project's machine, cold."""
+    torchrevive_efficiency: float = 1.0
+    """torchrevive's restore speed as a fraction of the storage speed: measured 1.0 cold."""
+    page_cache_warm: float = 0.0
+    """Fraction of a node's share already in its page cache (0: a replacement node, cold)."""
+    memory_gbps: float = 20.0
+    """Page-cache-to-tensor copy speed per node (warm reads)."""
+    worker_start_s: float = 20.0
+    """Process start, imports, NCCL/gloo init and model build at this scale."""
+    first_step_s: float = 5.0
+    keep_alive_s: float = 1.0
+    keep_alive_attempts: int = 3
+    last_call_s: float = 1.0
+    """torchrevive's configured last_call_timeout (configs/local.yaml)."""
+    failure_seen_s: float = 1.0
+    """After a kill: until the peers' collectives fail and their agents see it."""
+    torchrun_keep_alive_s: float = 5.0
+    torchrun_last_call_s: float = 30.0
+    rendezvous_s: float = 2.0
+    """A rendezvous round's own work (store round trips) with nothing to wait for."""
+    failure: str = "kill"
+    """kill (peers see connection errors) or hang (peers block in a collective)."""
+    collective_timeout_s: float = 1800.0
+    """torch's default process-group timeout: how long a hang blocks the survivors under torchrun."""
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+
+def read_s(nbytes_per_node: float, a: Assumptions, efficiency: float, nodes_reading: int) -> float:
+    """Time for every reading node to read its bytes: bound by the client or the aggregate."""
+    cold = nbytes_per_node * (1 - a.page_cache_warm)
+    warm = nbytes_per_node * a.page_cache_warm
+    per_node_gbps = min(a.client_gbps, a.storage_aggregate_gbps / max(1, nodes_reading)) * efficiency
+    return cold / (per_node_gbps * 1e9) + warm / (a.memory_gbps * 1e9)
+
+
+def classic(a: Assumptions) -> dict[str, float]:
+    detect = a.collective_timeout_s if a.failure == "hang" else a.failure_seen_s
+    read = a.size_bytes / (min(a.stream_gbps, a.client_gbps) * 1e9)
+    broadcast = a.size_bytes / (a.nic_gbps * 1e9)  # pipelined ring/tree broadcast from rank 0's node
+    return {"detect": detect, "rendezvous": a.torchrun_last_call_s + a.rendezvous_s,
+            "workers_start": a.worker_start_s, "restore": read + broadcast, "first_step": a.first_step_s}
+
+
+def parallel(a: Assumptions) -> dict[str, float]:
+    detect = a.collective_timeout_s if a.failure == "hang" else a.failure_seen_s
+    nodes = a.nodes - 1
+    sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
+    replicated = a.size_bytes * a.replicated_fraction  # every rank reads all of it
+    restore = read_s(sharded + replicated * a.gpus_per_node, a, a.parallel_efficiency, nodes)
+    return {"detect": detect, "rendezvous": a.torchrun_last_call_s + a.rendezvous_s,
+            "workers_start": a.worker_start_s, "restore": restore, "first_step": a.first_step_s}
+
+
+def torchrevive(a: Assumptions) -> dict[str, float]:
+    heartbeat = a.keep_alive_s * a.keep_alive_attempts
+    detect = heartbeat + a.keep_alive_s / 4 if a.failure == "hang" else a.failure_seen_s
+    # A killed node leaves the round once its heartbeats lapse, so the next round waits for that
+    # (a hang was detected by it already); then the last call.
+    rendezvous = max(0.0, heartbeat - detect) + a.last_call_s + a.rendezvous_s
+    nodes = a.nodes - 1
+    sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
+    stripe = a.size_bytes * a.replicated_fraction / nodes  # read once per cluster, a stripe per node
+    read = read_s(sharded + stripe, a, a.torchrevive_efficiency, nodes)
+    exchange = a.size_bytes * a.replicated_fraction / (a.nic_gbps * 1e9)
+    # The agent prefetches the node's share while the workers start; the restore then copies from
+    # the page cache what arrived and reads the rest.
+    prefetched = min(read, a.worker_start_s)
+    copy = (sharded + stripe) * (prefetched / read if read else 0) / (a.memory_gbps * 1e9)
+    restore = read - prefetched + copy + exchange
+    return {"detect": detect, "rendezvous": rendezvous, "workers_start": a.worker_start_s, "restore": restore,
+            "first_step": a.first_step_s}
+
+
+APPROACHES = {"classic": classic, "parallel": parallel, "torchrevive": torchrevive}
+
+
+def simulate(a: Assumptions) -> dict:
+    approaches = {}
+    for name, model in APPROACHES.items():
+        phases = model(a)
+        approaches[name] = {"total_s": sum(phases.values()), "phases": phases,
+                            "bound_by": max(phases, key=phases.get)}
+    return {"assumptions": {**asdict(a), "nodes": a.nodes}, "approaches": approaches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-tb", type=float, default=1.0)
+    for f in fields(Assumptions):
+        if f.name != "size_bytes":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    values = {f.name: getattr(args, f.name) for f in fields(Assumptions) if f.name != "size_bytes"}
+    result = simulate(Assumptions(size_bytes=args.size_tb * 1e12, **values))
+    a = result["assumptions"]
+    print(f"{a['gpus']} GPUs ({a['nodes']} nodes x {a['gpus_per_node']}), {a['size_bytes'] / 1e12:g} TB state, "
+          f"failure: {a['failure']}; storage {a['storage_aggregate_gbps']:g} GB/s aggregate, "
+          f"{a['client_gbps']:g} GB/s per node, NIC {a['nic_gbps']:g} GB/s")
+    print(f"{'approach':12s} " + " ".join(f"{p:>13s}" for p in PHASES) + f" {'total':>10s}  bound by")
+    for name, r in result["approaches"].items():
+        print(f"{name:12s} " + " ".join(f"{r['phases'][p]:12.1f}s" for p in PHASES)
+              + f" {r['total_s']:9.1f}s  {r['bound_by']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
