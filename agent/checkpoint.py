@@ -306,6 +306,9 @@ class Checkpointer:
         doomed = [p for _, p in committed[: -self.keep]] + leftovers
         for path in doomed:
             if path not in protected:
+                # Un-commit first: a process killed during the removal must not leave a directory
+                # that looks committed with some of its files gone.
+                (path / COMMIT_MARKER).unlink(missing_ok=True)
                 shutil.rmtree(path, ignore_errors=True)
 
 

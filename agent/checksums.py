@@ -8,6 +8,7 @@ so that a rank that restores a slice of a large file checks only the blocks it r
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -139,24 +140,21 @@ def check_sizes(root: Path, checksums: Checksums, locations: Iterable[str], desc
                                 f"rewritten); {describe(location)}")
 
 
-def verify_blocks(
+def block_checks(
     root: Path,
     checksums: Checksums,
     wanted: dict[str, Iterable[int]],
     describe: Callable[[str], str],
     *,
-    threads: int = 4,
     progress: Callable[[int], None] | None = None,
-) -> int:
-    """Check the ``wanted`` blocks of each file; raise ChecksumError at the first bad one, naming
-    the file, the byte range and (through ``describe``) what it holds. Returns bytes checked."""
+) -> list[tuple[tuple[str, int], Callable[[], int]]]:
+    """One check per wanted block, keyed by (file, byte offset) so that a reader can run each
+    beside the copies of the same bytes; a check returns the bytes it hashed, or raises
+    ChecksumError naming the file, the byte range and (through ``describe``) what it holds.
+    File sizes are checked here, at once."""
     check_sizes(root, checksums, wanted, describe)
-    jobs = [(location, block) for location, blocks in wanted.items() for block in sorted(set(blocks))]
-    if not jobs:
-        return 0
 
-    def check(job: tuple[str, int]) -> int:
-        location, block = job
+    def check(location: str, block: int) -> int:
         lo = block * checksums.block_bytes
         hi = min(lo + checksums.block_bytes, checksums.files[location].size)
         with _mapped(root / location) as view:
@@ -168,9 +166,26 @@ def verify_blocks(
             progress(hi - lo)
         return hi - lo
 
+    return [((location, block * checksums.block_bytes), functools.partial(check, location, block))
+            for location, blocks in sorted(wanted.items()) for block in sorted(set(blocks))]
+
+
+def verify_blocks(
+    root: Path,
+    checksums: Checksums,
+    wanted: dict[str, Iterable[int]],
+    describe: Callable[[str], str],
+    *,
+    threads: int = 4,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Check the ``wanted`` blocks of each file (see :func:`block_checks`); bytes checked."""
+    checks = [check for _, check in block_checks(root, checksums, wanted, describe, progress=progress)]
+    if not checks:
+        return 0
     pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="torchrevive-verify")
     try:
-        return sum(pool.map(check, jobs))  # raises the first bad block's error, in file order
+        return sum(pool.map(lambda check: check(), checks))  # raises the first bad block's error, in file order
     finally:
         pool.shutdown(cancel_futures=True)
 

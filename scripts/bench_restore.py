@@ -37,7 +37,7 @@ from torch import nn
 
 from agent.restore.targets import optimizer_templates
 
-METHODS = ["torchrevive", "torchsnapshot", "dcp", "torch_load", "torch_load_mmap", "raw_read"]
+METHODS = ["torchrevive", "torchsnapshot", "dcp", "dcp_fast", "torch_load", "torch_load_mmap", "raw_read"]
 VERIFY_MODES = ("off", "sample", "full")
 SNAPSHOT = Path("ckpt") / "step_1"
 """Where the Checkpointer's snapshot lies under the benchmark's root."""
@@ -79,7 +79,7 @@ def write_all(root: Path, size_bytes: int) -> None:
 
 
 def files_of(root: Path, method: str) -> list[Path]:
-    where = {"dcp": root / "dcp", "torch_load": root / "state.pt", "torch_load_mmap": root / "state.pt"}.get(
+    where = {"dcp": root / "dcp", "dcp_fast": root / "dcp", "torch_load": root / "state.pt", "torch_load_mmap": root / "state.pt"}.get(
         method, root / SNAPSHOT)
     return [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file())
 
@@ -130,6 +130,12 @@ def restore_once(method: str, root: Path, model: nn.Module, optim: torch.optim.O
         import torch.distributed.checkpoint as dcp
 
         dcp.load(dcp_state(model, optim), checkpoint_id=str(root / "dcp"))
+    elif method == "dcp_fast":
+        import torch.distributed.checkpoint as dcp
+
+        from agent.restore.dcp_reader import FastStorageReader
+
+        dcp.load(dcp_state(model, optim), storage_reader=FastStorageReader(root / "dcp"))
     elif method == "torch_load":
         state = torch.load(root / "state.pt", weights_only=True)
         model.load_state_dict(state["model"])
@@ -308,6 +314,10 @@ def main() -> None:
         ours = results["torchrevive"]
         report["ratios"] = {f"torchrevive_vs_{m}_{mode}": ours[f"{mode}_gbps"] / r[f"{mode}_gbps"]
                             for m, r in results.items() if m != "torchrevive" for mode in ("warm", "cold")}
+        if "dcp_fast" in results and "dcp" in results:
+            fast = results["dcp_fast"]
+            report["ratios"].update({f"dcp_fast_vs_{m}_{mode}": fast[f"{mode}_gbps"] / results[m][f"{mode}_gbps"]
+                                     for m in ("dcp", "torchrevive") for mode in ("warm", "cold")})
         for name, ratio in report["ratios"].items():
             print(f"{name:40s} {ratio:6.2f}x")
     if args.json:

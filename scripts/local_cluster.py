@@ -10,6 +10,8 @@ Scenarios (several, comma-separated, run in sequence on the same job):
   freeze       SIGSTOP a node; it is thawed (SIGCONT) after the others recovered, and rejoins
   join         a node starts (the job starts with one node fewer) and the job grows
   kill-worker  SIGKILL one worker process of a node
+  kill-during-save     SIGKILL a node while an async save is being written
+  kill-during-restore  SIGKILL a node, then another while the survivors restore
 Node 0 is started first and hosts the c10d store; the fault hits node --fault-node (default the
 last). `--baseline` runs the same scenario with plain torchrun and the classic restore (rank 0
 torch.load + broadcast, examples/classic_train.py), capped at --cap-s.
@@ -132,11 +134,17 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             since = time.time()
             cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
                              args.timeout, "committed snapshot")
-            time.sleep(1.0)
-            fault_at = time.time()
             fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
-            if scenario == "kill":
+            if scenario == "kill-during-save":  # while an async save is being written
+                waiting = time.time()
+                cluster.wait_for(lambda ev, t=waiting: [e for e in ev if e["event"] == "save_started" and e["time"] > t],
+                                 args.timeout, "an async save")
+            else:
+                time.sleep(1.0)
+            fault_at = time.time()
+            if scenario in ("kill", "kill-during-save", "kill-during-restore"):
                 cluster.signal(fault, signal.SIGKILL)
+                cluster.nodes.pop(fault).wait()
             elif scenario == "freeze":
                 cluster.signal(fault, signal.SIGSTOP)
             elif scenario == "join":
@@ -145,6 +153,13 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 cluster.kill_worker(fault)
             else:
                 raise SystemExit(f"--scenario: unknown scenario {scenario!r}")
+            if scenario == "kill-during-restore":  # a second node dies while the survivors restore
+                cluster.wait_for(lambda ev, t=fault_at: [e for e in ev if e["event"] == "workers_started"
+                                                          and e["time"] > t], args.timeout, "the recovery's workers")
+                fault_at = time.time()
+                second = max(cluster.nodes)
+                cluster.signal(second, signal.SIGKILL)
+                cluster.nodes.pop(second).wait()
             timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
                                         f"recovery after {scenario}")
             results.append({"scenario": scenario, **timeline})
@@ -155,16 +170,19 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 cluster.signal(fault, signal.SIGCONT)  # it finds itself evicted and rejoins as a new node
                 thawed_at = time.time()
                 cluster.wait_for(lambda ev, t=thawed_at: recovery_after(ev, t), args.timeout, "the thawed node's rejoin")
-            if scenario in ("kill",):
-                cluster.nodes.pop(fault).wait()
     finally:
         cluster.stop()
     return results
 
 
-def run_baseline(args: argparse.Namespace, work: Path, scenario: str) -> dict:
-    """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s."""
+def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
+    """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s.
+    ``unshared_store`` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch that keeps workers
+    off the rendezvous store (whose stale keys hang restarted gloo workers in torch 2.13)."""
+    work = work / ("baseline-unshared" if unshared_store else "baseline")
+    work.mkdir(parents=True, exist_ok=True)
     marks = work / "baseline-steps.jsonl"
+    env = {**_env(), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared_store else {})}
     width = width_for(args.state_mb)
     procs = []
     initial = args.nodes - 1 if scenario == "join" else args.nodes
@@ -176,7 +194,7 @@ def run_baseline(args: argparse.Namespace, work: Path, scenario: str) -> dict:
              f"--rdzv-id=baseline-{os.getpid()}", "--max-restarts=5", "--rdzv-conf=join_timeout=120",
              "examples/classic_train.py", "--width", str(width), "--dir", str(work / "baseline-ckpt"),
              "--interval-steps", str(args.interval_steps), "--marks", str(marks)],
-            cwd=REPO, env=_env(), stdout=open(work / f"baseline{index}.log", "w"),
+            cwd=REPO, env=env, stdout=open(work / f"baseline{index}.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -258,6 +276,8 @@ def main() -> None:
     parser.add_argument("--state-mb", type=float, default=64)
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--baseline", action="store_true")
+    parser.add_argument("--baseline-unshared-store", action="store_true",
+                        help="also run the baseline with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     parser.add_argument("--cap-s", type=float, default=120)
     parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")
@@ -286,6 +306,13 @@ def main() -> None:
         print(f"baseline (torchrun + rank-0 torch.load + broadcast): {shown}", flush=True)
         if not base["capped"]:
             report["speedup_vs_baseline"] = base["recovery_s"] / runs[0]["recovery_s"]
+        if args.baseline_unshared_store:
+            report["baseline_unshared_store"] = other = run_baseline(args, work, args.scenario.split(",")[0],
+                                                                     unshared_store=True)
+            shown = f"> {other['cap_s']:.0f} s (capped)" if other["capped"] else f"{other['recovery_s']:.2f} s"
+            print(f"baseline with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: {shown}", flush=True)
+            if not other["capped"]:
+                report["speedup_vs_baseline_unshared_store"] = other["recovery_s"] / runs[0]["recovery_s"]
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if not args.keep:

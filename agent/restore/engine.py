@@ -17,9 +17,11 @@ from torchsnapshot.flatten import flatten, inflate
 from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
 from torchsnapshot.manifest_utils import is_container_entry
 
-from agent.checksums import load_checksums, sample, verify_blocks
+from agent.checksums import block_checks, load_checksums, sample
 from agent.errors import RestoreError
+from agent.restore.dcp_reader import FastStorageReader, is_dcp_checkpoint
 from agent.restore.manifest import (
+    METADATA_FILE,
     TENSOR_ENTRY_TYPES,
     StoredTensor,
     fitted,
@@ -90,24 +92,32 @@ def restore(
     strict: bool = True,
     verify: Literal["off", "sample", "full"] = "sample",
 ) -> RestoreStats:
-    """Restore a torchsnapshot snapshot into ``app_state``, resharded to this process group.
+    """Restore a torchsnapshot snapshot (or a DCP checkpoint directory) into ``app_state``,
+    resharded to this process group.
 
     Each rank reads only the bytes of its own boxes, from mmap'ed files with ``io_threads``
     threads (default: :func:`default_io_threads`), straight into the destination tensors.
     ``replicated="stripe"`` (with an initialized process group) reads each replicated tensor
     once per cluster, a stripe per rank, and exchanges the stripes. Pickled objects load with
     ``weights_only`` semantics unless ``trust_pickles``. When the snapshot has checksums (one
-    committed by the Checkpointer), ``verify="full"`` checks every block this rank reads before
-    copying it, ``"sample"`` one block in 32 and every file's size, ``"off"`` nothing.
+    committed by the Checkpointer), every file's size is checked first, and ``verify="full"``
+    checks every block this rank reads, ``"sample"`` one block in 32, ``"off"`` none; the block
+    checks run beside the copies (in the same pool, so a cold block is read from storage once).
+
+    A DCP checkpoint is planned by DCP itself (``dcp.load`` with :class:`FastStorageReader`):
+    ``app_state`` holds state dicts or Statefuls as for ``dcp.load``, and the checksum, stripe and
+    pickle options do not apply (DCP loads its bytes items with its own planner).
 
     Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
     RestoreError naming the file and key. All of that is checked before the first byte is
-    copied (checksums included), so after such an error the destination is untouched. Only an I/O failure during the
-    copy itself (a file vanishing mid-read) can leave tensors partly overwritten; then no
-    ``load_state_dict`` has been called and the error says so.
+    copied, so after such an error the destination is untouched. An I/O failure during the copy
+    itself (a file vanishing mid-read) or a block failing its checksum can leave tensors partly
+    overwritten; then no ``load_state_dict`` has been called.
     """
     started = time.perf_counter()
     root = Path(path)
+    if is_dcp_checkpoint(root) and not (root / METADATA_FILE).exists():
+        return _restore_dcp(root, app_state, io_threads=io_threads, started=started)
     metadata = load_metadata(root)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     manifest = manifest_for_rank(metadata, rank)
@@ -120,12 +130,12 @@ def restore(
                            trust_pickles=trust_pickles, strict=strict)
             for key, obj in app_state.items()
         ]
-        threads = io_threads or default_io_threads()
-        verified = _verify(root, plan, verify, threads) if verify != "off" else 0
+        checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
         for stateful, logical_path, entry in plan.objects:
             stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
         try:
-            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=threads)
+            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=io_threads or default_io_threads(),
+                                  checks=checks)
         except OSError as exc:
             raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
                                "overwritten and no state was loaded: restore again or from another snapshot") from exc
@@ -141,11 +151,25 @@ def restore(
     return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged, verified)
 
 
-def _verify(root: Path, plan: _Plan, mode: str, threads: int) -> int:
-    """Check the blocks the plan reads against the snapshot's checksums; bytes checked."""
+def _restore_dcp(root: Path, app_state: Mapping[str, Any], *, io_threads: int | None, started: float) -> RestoreStats:
+    """A DCP checkpoint: DCP's own planning (resharding included) with the fast reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = FastStorageReader(root, io_threads=io_threads)
+    try:
+        dcp.load(dict(app_state), storage_reader=reader)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        raise RestoreError(f"{root}: DCP load failed: {exc}") from exc
+    return RestoreStats(str(root), reader.bytes_read, time.perf_counter() - started, reader.tensors_read)
+
+
+def _block_checks(root: Path, plan: _Plan, mode: str) -> tuple[list, int]:
+    """The checksum checks of the blocks the plan reads (all of them, or a sample), to run beside
+    the copies, and the bytes they cover. File sizes are checked at once."""
     checksums = load_checksums(root)
     if checksums is None:
-        return 0
+        return [], 0
     wanted: dict[str, set[int]] = {}
     for op in plan.ops:
         wanted.setdefault(op.chunk.location, set()).update(checksums.blocks_of(op.chunk.location, *byte_span(op)))
@@ -154,8 +178,11 @@ def _verify(root: Path, plan: _Plan, mode: str, threads: int) -> int:
         wanted.setdefault(entry.location, set()).update(checksums.blocks_of(entry.location, 0, size))
     if mode == "sample":
         wanted = {location: set(sample(location, blocks)) for location, blocks in wanted.items()}
-    return verify_blocks(root, checksums, wanted, lambda location: f"it holds '{plan.holders.get(location, '?')}': "
-                         "the snapshot is damaged, restore another one", threads=threads)
+    checks = block_checks(root, checksums, wanted, lambda location: f"it holds '{plan.holders.get(location, '?')}': "
+                          "the snapshot is damaged, restore another one")
+    covered = sum(min(checksums.block_bytes, checksums.files[location].size - block * checksums.block_bytes)
+                  for location, blocks in wanted.items() for block in blocks)
+    return checks, covered
 
 
 def _plan_stateful(

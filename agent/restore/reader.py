@@ -4,6 +4,7 @@ a small ring of pinned host buffers with asynchronous host-to-device copies."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import mmap
@@ -61,10 +62,17 @@ class SnapshotFiles:
         self._maps.clear()
 
 
-def read_ops(ops: Sequence[CopyOp], targets: Sequence[torch.Tensor], files: SnapshotFiles, *, io_threads: int) -> int:
+def read_ops(
+    ops: Sequence[CopyOp],
+    targets: Sequence[torch.Tensor],
+    files: SnapshotFiles,
+    *,
+    io_threads: int,
+    checks: Sequence[tuple[tuple[str, int], Callable[[], int]]] = (),
+) -> int:
     """Run every copy; returns the bytes read from storage. Ops go out in file order so that
-    each file is read front to back."""
-    ordered = sorted(ops, key=lambda op: (op.chunk.location, op.chunk.byte_offset, op.src_start))
+    each file is read front to back; ``checks`` (keyed by file and byte offset) run in the same
+    pool beside the copies of their bytes, and the first one that raises stops the restore."""
     stagers: dict[int, _CudaStager] = {}
 
     def run(op: CopyOp) -> int:
@@ -78,16 +86,24 @@ def read_ops(ops: Sequence[CopyOp], targets: Sequence[torch.Tensor], files: Snap
             _copy_from_storage(op, files, dst)
         return op.nbytes
 
+    # A check sorts just before the copies of the bytes it covers; the copies go in file order.
+    keyed = [((op.chunk.location, byte_span(op)[0], 1), True, functools.partial(run, op)) for op in ops]
+    keyed += [((location, offset, 0), False, check) for (location, offset), check in checks]
+    keyed.sort(key=lambda job: job[0])
+    jobs = [job for _, _, job in keyed]
     try:
-        if io_threads <= 1 or len(ordered) <= 1:
-            total = sum(map(run, ordered))
+        if io_threads <= 1 or len(jobs) <= 1:
+            done = [job() for job in jobs]
         else:
-            with ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchrevive-read") as pool:
-                total = sum(pool.map(run, ordered))
+            pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchrevive-read")
+            try:
+                done = list(pool.map(lambda job: job(), jobs))
+            finally:
+                pool.shutdown(cancel_futures=True)
     finally:
         for stager in stagers.values():
             stager.finish()
-    return total
+    return sum(n for (_, is_copy, _), n in zip(keyed, done) if is_copy)
 
 
 def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
@@ -103,10 +119,14 @@ def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> N
                            offset=start_byte)
     dst.copy_(src.as_strided(op.sizes, _row_major_strides(chunk.sizes)))
     del src
-    # Drop the pages from this process's mapping once copied: the page cache keeps them, and the
-    # process's resident set stays at the destination tensors instead of growing by the snapshot.
-    lo = start_byte // PAGE * PAGE
-    hi = min(len(mapping), math.ceil(end_byte / PAGE) * PAGE)
+    release_pages(mapping, start_byte, end_byte)
+
+
+def release_pages(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Drop copied pages from this process's mapping: the page cache keeps them, and the process's
+    resident set stays at the destination tensors instead of growing by the snapshot."""
+    lo = start // PAGE * PAGE
+    hi = min(len(mapping), math.ceil(end / PAGE) * PAGE)
     if hi > lo:
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
