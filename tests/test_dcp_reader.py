@@ -67,7 +67,7 @@ def model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_agent_restore_reads_a_dcp_checkpoint(tmp_path):
-    model, optim = model_and_optim(0)
+    model, _ = model_and_optim(0)
     future = dcp.async_save({"model": model}, checkpoint_id=tmp_path)
     future.result()
     target, _ = model_and_optim(1)

@@ -29,8 +29,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.futures import Future
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from agent.errors import RestoreError
 from agent.restore.reader import SnapshotFiles, default_io_threads, release_pages
@@ -85,7 +90,7 @@ class FastStorageReader(FileSystemReader):
                     planner.load_bytes(item, io.BytesIO(mapping[info.offset : info.offset + info.length]))
             tensors = [item for item in fast if item.type != LoadItemType.BYTE_IO]
             targets = [planner.resolve_tensor(item).detach() for item in tensors]  # planners are not thread-safe
-            copy: Callable[[tuple[ReadItem, torch.Tensor]], int] = lambda job: self._copy(files, *job)  # noqa: E731
+            copy: Callable[[tuple[ReadItem, torch.Tensor]], int] = lambda job: self._copy(files, *job)
             with ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="torchrevive-dcp") as pool:
                 self.bytes_read += sum(pool.map(copy, zip(tensors, targets)))
             self.tensors_read += len(tensors)
