@@ -105,13 +105,15 @@ class RecoveryAgent(LocalElasticAgent):
             healthy = state == WorkerState.HEALTHY
             change = self._membership_change(healthy)
             if not healthy and change is None:
-                change = self._loss_behind_failure() or Change("worker_failed", failed_at=time.time())
+                change = self._loss_behind_failure()
+            if not healthy and change is None:  # a worker failure of its own: it counts
                 if self._remaining_restarts <= 0:
                     self._stop_workers(self._worker_group)
                     self._worker_group.state = WorkerState.FAILED
                     return result
                 self._remaining_restarts -= 1
                 self._restart_counted = True
+                change = Change("worker_failed", failed_at=time.time())
             if change is not None:
                 self._recover(change)
 
@@ -272,6 +274,6 @@ def grad_accum_steps(job: JobConfig, world_size: int) -> int:
     per_step = micro * world_size
     if elastic.global_batch_size % per_step:
         raise ConfigError(f"elastic.global_batch_size {elastic.global_batch_size} is not a multiple of "
-                          f"micro_batch_size {micro} x world size {world_size}; pick sizes that divide, or set "
-                          "elastic.world_size_multiple_of")
+                          f"micro_batch_size {micro} x world size {world_size}; pick sizes that divide at every "
+                          "world size the job's nnodes allow")
     return elastic.global_batch_size // per_step

@@ -123,12 +123,14 @@ def harness_args(endpoint: str, **overrides):
     return argparse.Namespace(**args)
 
 
-def test_losing_the_first_node_and_a_freeze_do_not_stop_an_etcd3_job(etcd, tmp_path):
+def test_losing_the_first_node_a_freeze_and_a_join_on_etcd3(etcd, tmp_path):
     # Node 0 started first: with c10d it hosts the store, and killing it ends the job.
-    runs = local_cluster.run_scenarios(harness_args(etcd.endpoint, scenario="kill,freeze"), tmp_path)
-    kill, freeze = runs
+    runs = local_cluster.run_scenarios(harness_args(etcd.endpoint, scenario="kill,freeze,join"), tmp_path)
+    kill, freeze, join = runs
     assert (kill["world_size_before"], kill["world_size_after"]) == (3, 2)
+    # The frozen node is dropped, then thawed: it rejoins (2 nodes again), and a new node makes 3.
     assert freeze["world_size_after"] == 1 and freeze["restored_step"] > kill["restored_step"]
+    assert (join["cause"], join["world_size_before"], join["world_size_after"]) == ("node_joined", 2, 3)
 
 
 def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
