@@ -43,6 +43,7 @@ from agent.prefetch import node_share, prefetch
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
+JOB_SUCCEEDED_KEY = "torchrevive/job_succeeded"
 DEFAULT_KEEP_ALIVE_S = 5.0
 """torch's dynamic rendezvous default keep_alive_interval."""
 
@@ -66,7 +67,10 @@ class RecoveryAgent(LocalElasticAgent):
         self._restore_from: str = ""
         self._grad_accum_steps = 1
         handler = self._worker_group.spec.rdzv_handler
-        _publish_bootstrap_info_every_round(handler)
+        self._nproc_per_node = self._worker_group.spec.local_world_size
+        self._standby = False
+        self._nodes_used = 0
+        self._wrap_next_rendezvous(handler)
         keep_alive = parse_seconds(job.rendezvous.conf.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_S))
         self._heartbeat_timeout = keep_alive * int(job.rendezvous.conf.get("keep_alive_max_attempt", 3))
         self._watch = MembershipWatch(handler, poll_interval=keep_alive / 2) if MembershipWatch.supports(handler) else None
@@ -100,6 +104,8 @@ class RecoveryAgent(LocalElasticAgent):
             state = self._worker_group.state = result.state
             self._metrics.set_remaining_restarts(self._remaining_restarts)
             if state == WorkerState.SUCCEEDED:
+                if not self._standby:  # tell standby nodes the job is over: they join the exit barrier
+                    self._worker_group.store.set(JOB_SUCCEEDED_KEY, "1")
                 self._exit_barrier()
                 return result
             healthy = state == WorkerState.HEALTHY
@@ -151,6 +157,12 @@ class RecoveryAgent(LocalElasticAgent):
         self.events.record("workers_stopped", seconds=time.monotonic() - started)
         self._initialize_workers(self._worker_group)
 
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if not self._standby:
+            return super()._monitor_workers(worker_group)
+        finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
+        return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch's default gives workers 30 s after SIGTERM; a worker blocked in a collective
         # with a dead peer never exits by itself, so the grace period is the job's.
@@ -165,8 +177,9 @@ class RecoveryAgent(LocalElasticAgent):
         assert store is not None, "the rendezvous sets the round's store"
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._serve_fresh_worker_store(worker_group)
-        world_size = worker_group.workers[0].world_size
-        self._grad_accum_steps = grad_accum_steps(self._job, world_size)
+        world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+        if not self._standby:
+            self._grad_accum_steps = grad_accum_steps(self._job, world_size)
         self._restore_from = self._agree_on_snapshot(worker_group)
         membership = self._watch.start_round() if self._watch else None
         participants = membership.participants if membership else frozenset()
@@ -183,7 +196,7 @@ class RecoveryAgent(LocalElasticAgent):
             group_rank=worker_group.group_rank, nodes=sorted(participants), lost=sorted(lost),
             joined=sorted(joined) if self._prev_world_size else [], world_size=world_size,
             prev_world_size=self._prev_world_size, grad_accum_steps=self._grad_accum_steps,
-            restore_from=self._restore_from or None,
+            restore_from=self._restore_from or None, standby=self._standby,
         )
 
     def _serve_fresh_worker_store(self, worker_group: WorkerGroup) -> None:
@@ -211,6 +224,9 @@ class RecoveryAgent(LocalElasticAgent):
         return worker_group.store.get(RESTORE_FROM_KEY).decode()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._standby:
+            self.events.record("standby", nodes_used=self._nodes_used)
+            return {}
         # Worker processes inherit the agent's environment, and LocalElasticAgent offers no other
         # hook for extra variables, so the round's values are set here, before they start.
         os.environ.update(self.worker_environment())
@@ -242,26 +258,36 @@ class RecoveryAgent(LocalElasticAgent):
         threading.Thread(target=run, name="torchrevive-prefetch", daemon=True).start()
 
 
-def _publish_bootstrap_info_every_round(handler: Any) -> None:
-    """Make the round's rank 0 publish MASTER_ADDR/MASTER_PORT in every round's store.
+    def _wrap_next_rendezvous(self, handler: Any) -> None:
+        """Right after each rendezvous, before torch assigns worker ranks:
 
-    torch 2.13's DynamicRendezvousHandler publishes them only when rank 0 builds its bootstrap
-    info, i.e. in the first round it is rank 0 in; a node that joins a later round waits for them
-    in that round's store and times out after 60 s (found with a join after the first round).
-    """
-    if not isinstance(handler, DynamicRendezvousHandler):
-        return
-    next_rendezvous = handler.next_rendezvous
+        * rank 0 publishes MASTER_ADDR/MASTER_PORT in the round's store. torch 2.13's
+          DynamicRendezvousHandler does so only in the first round a node is rank 0 in, and a node
+          joining a later round waited for them 60 s and failed (found with a join);
+        * nodes beyond the largest count whose world size is a multiple of
+          ``elastic.world_size_multiple_of`` become standby for the round: they offer no workers
+          (so torch's rank assignment leaves them out) and wait for the next change.
+        """
+        next_rendezvous = handler.next_rendezvous
 
-    def next_rendezvous_published() -> RendezvousInfo:
-        info = next_rendezvous()
-        if info.rank == 0:
-            bootstrap = info.bootstrap_store_info
-            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr)
-            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port))
-        return info
+        def next_rendezvous_then_roles() -> RendezvousInfo:
+            info = next_rendezvous()
+            if info.rank == 0 and isinstance(handler, DynamicRendezvousHandler):
+                bootstrap = info.bootstrap_store_info
+                info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr)
+                info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port))
+            self._nodes_used = nodes_used(info.world_size, self._nproc_per_node, self._job.elastic.world_size_multiple_of)
+            self._standby = info.rank >= self._nodes_used
+            self._worker_group.spec.local_world_size = 0 if self._standby else self._nproc_per_node
+            return info
 
-    handler.next_rendezvous = next_rendezvous_published
+        handler.next_rendezvous = next_rendezvous_then_roles
+
+
+def nodes_used(nodes: int, nproc_per_node: int, multiple_of: int) -> int:
+    """How many of ``nodes`` train: the most whose world size is a multiple of ``multiple_of``
+    (0 when none is: every node stands by until more join)."""
+    return next((used for used in range(nodes, 0, -1) if used * nproc_per_node % multiple_of == 0), 0)
 
 
 def grad_accum_steps(job: JobConfig, world_size: int) -> int:

@@ -78,18 +78,25 @@ class Cluster:
                     "max_restarts": 5, "monitor_interval": 0.1},
             "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps, "keep": 2},
-            "elastic": {"stop_grace": 2},
+            "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
             "observability": {"event_log": str(self.events)},
         }))
 
     def start(self, index: int) -> None:
         log = open(self.work / f"node{index}.log", "w")  # noqa: SIM115 (open for the node's lifetime)
         self.nodes[index] = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), "examples/train.py",
+            [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
+             "examples/train.py",
              "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
              *getattr(self.args, "train_args", [])],
             cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+
+    def _host_flag(self, index: int) -> list[str]:
+        """With c10d, node 0 hosts the store, whichever agent gets to the port first."""
+        if self.args.backend != "c10d":
+            return []
+        return ["--rdzv-conf", f"is_host={'true' if index == 0 else 'false'}"]
 
     def signal(self, index: int, sig: signal.Signals) -> None:
         """Signal a node: its agent and every worker (torch starts workers in sessions of their own)."""

@@ -140,7 +140,7 @@ def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
         cluster.start(1)
         cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a committed snapshot")
         etcd.stop()
-        time.sleep(1.0)
+        time.sleep(4.0)  # longer than the heartbeat timeout (1 s x 3): every heartbeat in etcd goes stale
         etcd.start()
         restarted = time.time()
         cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > restarted + 2],

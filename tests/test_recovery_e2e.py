@@ -8,12 +8,14 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 from conftest import REPO, TORCHREVIVE, free_port, worker_env
 
 from agent.checkpoint import committed_snapshots
 from agent.events import read_events
+from agent.recovery_timeline import recovery_after
 from agent.restore import restore
 from agent.snapshot_check import check_snapshot
 
@@ -125,3 +127,41 @@ def test_failures_during_a_save_and_during_a_restore(tmp_path):
     assert {e["step"] for e in events if e["event"] == "restore_done"} <= committed
     for _, path in committed_snapshots(tmp_path / "checkpoints"):
         assert check_snapshot(path).checksummed
+
+
+def test_standby_nodes_keep_the_world_size_a_multiple(tmp_path):
+    """world_size_multiple_of 2 with 3 one-worker nodes: one node stands by; when an active node
+    dies, the standby one takes its place and the world stays at 2; a finished job ends every
+    agent, the standby one included."""
+    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=400), tmp_path)
+    try:
+        for index in range(3):
+            cluster.start(index)
+        first = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a snapshot")
+        rounds = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "rendezvous_done"
+                  and e["time"] <= first[0]["time"]]
+        last_round = max(e["round"] for e in rounds)
+        standby = [e["node"] for e in rounds if e["round"] == last_round and e["standby"]]
+        assert len(standby) == 1 and {e["world_size"] for e in rounds if e["round"] == last_round} == {2, 0}
+        active = next(i for i, proc in cluster.nodes.items() if i != 0 and f"_{proc.pid}_" not in standby[0])
+        killed_at = time.time()
+        cluster.signal(active, signal.SIGKILL)
+        cluster.nodes.pop(active).wait()
+        timeline = cluster.wait_for(lambda ev: recovery_after(ev, killed_at, failed_at=killed_at), 120, "recovery")
+        assert (timeline["world_size_before"], timeline["world_size_after"]) == (2, 2)
+        assert cluster.wait_done(300) == [0, 0]
+    finally:
+        cluster.stop()
+    after = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "rendezvous_done" and e["time"] > killed_at]
+    assert any(e["node"] == standby[0] and not e["standby"] for e in after)  # it took the dead node's place
+
+
+def test_a_finished_job_ends_its_standby_node_too(tmp_path):
+    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=20), tmp_path)
+    try:
+        for index in range(3):
+            cluster.start(index)
+        assert cluster.wait_done(240) == [0, 0, 0]
+    finally:
+        cluster.stop()
+    assert any(e["event"] == "standby" for e in read_events(tmp_path / "events.jsonl"))

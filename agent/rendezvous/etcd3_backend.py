@@ -35,7 +35,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
+from agent.rendezvous.etcd3_client import MAX_RETRY_DELAY_S, Etcd3Connection, Etcd3Options
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,30 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     lease = Etcd3Lease(connection, params.get_as_int("lease_ttl", DEFAULT_LEASE_TTL_S) or DEFAULT_LEASE_TTL_S)
     backend = Etcd3RendezvousBackend(connection, params.run_id, prefix=prefix, lease=lease)
     store = Etcd3Store(connection, f"{prefix}/{params.run_id}/store", lease)
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    _tolerate_outages(handler, connection)
+    return handler
+
+
+def _tolerate_outages(handler: DynamicRendezvousHandler, connection: Etcd3Connection) -> None:
+    """Drop nodes for lapsed heartbeats only once every node could write one since etcd came back.
+
+    The dynamic rendezvous keeps heartbeats as timestamps in the state and drops any node whose
+    last one is older than keep_alive_interval x keep_alive_max_attempt. While etcd is down nobody
+    can write one, so the first agent to reach etcd again would drop every other node, and a healthy
+    job would restart. After an outage this waits one heartbeat timeout, plus a keep-alive period
+    and the client's largest retry delay, before torch's clean-up runs again.
+    """
+    holder = handler._state_holder
+    settings = handler.settings
+    grace = (settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)).total_seconds() + MAX_RETRY_DELAY_S
+    sanitize = holder._sanitize
+
+    def sanitize_after_grace() -> None:
+        if time.monotonic() - connection.reachable_since >= grace:
+            sanitize()
+
+    holder._sanitize = sanitize_after_grace
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

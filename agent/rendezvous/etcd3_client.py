@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 T = TypeVar("T")
+MAX_RETRY_DELAY_S = 2.0
+"""The longest wait between two retries of an unreachable cluster."""
 _PROTOBUF_IMPLEMENTATION = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
@@ -74,6 +76,8 @@ class Etcd3Connection:
         self._etcd3 = import_etcd3()
         self._endpoint = 0
         self._client: Any = None
+        self.reachable_since = time.monotonic()
+        """When the cluster last became reachable again after an outage (or when this connection was made)."""
 
     @property
     def client(self) -> Any:
@@ -90,10 +94,15 @@ class Etcd3Connection:
         errors = self._etcd3.exceptions
         deadline = time.monotonic() + self.options.read_timeout
         delay = 0.1
+        failed = False
         while True:
             try:
-                return operation(self.client)
+                result = operation(self.client)
+                if failed:
+                    self.reachable_since = time.monotonic()
+                return result
             except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as exc:
+                failed = True
                 if time.monotonic() + delay > deadline:
                     raise RendezvousConnectionError(
                         f"etcd at {self.options.describe()} unreachable for {self.options.read_timeout:.0f} s "
@@ -101,7 +110,7 @@ class Etcd3Connection:
                         "rendezvous.conf") from exc
                 self._failover()
                 time.sleep(delay)
-                delay = min(2.0, delay * 2)
+                delay = min(MAX_RETRY_DELAY_S, delay * 2)
 
     def _failover(self) -> None:
         self._endpoint = (self._endpoint + 1) % len(self.options.endpoints)
