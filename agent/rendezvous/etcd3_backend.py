@@ -29,13 +29,18 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
     create_handler,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from agent.rendezvous.etcd3_client import MAX_RETRY_DELAY_S, Etcd3Connection, Etcd3Options
+from agent.rendezvous.etcd3_client import (
+    MAX_RETRY_DELAY_S,
+    Etcd3Connection,
+    Etcd3Options,
+)
 
 logger = logging.getLogger(__name__)
 
