@@ -94,11 +94,6 @@ class ElasticSampler(Sampler[int]):
             order = order.repeat(-(-length // self.dataset_len))
         return order[:length]
 
-    def global_batch(self, epoch: int, step: int) -> list[int]:
-        """The samples of optimizer step ``step`` of ``epoch`` (any world size)."""
-        start = step * self.global_batch_size
-        return self.order(epoch)[start : start + self.global_batch_size].tolist()
-
     def __iter__(self) -> Iterator[int]:
         """This rank's indices from the current position to the end of the epoch: per step, its
         ``grad_accum_steps`` micro-batches, micro-batch k of rank r at offset (k x world + r) x micro."""

@@ -81,11 +81,6 @@ class MembershipWatch:
     def node(self) -> str:
         return str(self._handler._this_node)
 
-    @property
-    def round(self) -> Membership | None:
-        """The membership of the round the workers were started in."""
-        return self._round
-
     def read(self) -> Membership:
         """Sync with the backend and return the current state."""
         handler = self._handler
