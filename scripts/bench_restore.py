@@ -198,15 +198,16 @@ def measure_method(method: str, root: Path, size_bytes: int, repeats: int) -> di
 
 
 def measure_verify(root: Path, size_bytes: int, repeats: int) -> dict:
-    """In this (child) process: restore with each verify mode, interleaved, warm and cold; the
-    median time of each mode relative to "off"."""
+    """In this (child) process: restore with each verify mode, interleaved (in a rotating order),
+    warm and cold; the median time of each mode relative to "off"."""
     model, optim = build_state(size_bytes, seed=1)
     files = files_of(root, "torchrevive")
     restore_once("torchrevive", root, model, optim)
     times: dict[str, list[float]] = {}
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        order = VERIFY_MODES[repeat % 3:] + VERIFY_MODES[: repeat % 3]  # no mode always runs first
         for temperature in ("warm", "cold"):
-            for mode in VERIFY_MODES:
+            for mode in order:
                 if temperature == "cold":
                     evict(files)
                 start = time.perf_counter()
