@@ -24,6 +24,8 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str] | None, **identity: Any) -> None:
         self.path = Path(path) if path else None
         self.identity = identity
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     @classmethod
     def for_worker(cls, ctx: WorkerContext | None = None) -> EventLog:
@@ -36,7 +38,6 @@ class EventLog:
         """Append one event and return it."""
         line = {"time": time.time(), "event": event, **self.identity, **fields}
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, (json.dumps(line, default=str) + "\n").encode())

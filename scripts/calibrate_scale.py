@@ -77,12 +77,10 @@ def first_touch_gbps(size: int = 1 << 30) -> float:
 def worker_start_s(workers: int, width: int) -> float:
     """Start ``workers`` processes at once that import torch and torchrevive, join a gloo group and
     build the example model under DDP: until the last is ready."""
-    import socket
+    from local_cluster import job_env
+    from local_ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    port, env = free_port(), job_env()
     start = time.time()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER_START, str(r), str(workers), str(port), str(width)],
                               stdout=subprocess.PIPE, text=True, env=env, cwd=REPO) for r in range(workers)]

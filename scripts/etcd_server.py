@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from local_ports import free_port
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
@@ -16,18 +18,12 @@ def etcd_available() -> bool:
     return Path(ETCD).exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class EtcdServer:
     """``with EtcdServer(data_dir) as etcd: etcd.endpoint`` -> "127.0.0.1:PORT"."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir)
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self._proc: subprocess.Popen | None = None
 

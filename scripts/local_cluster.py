@@ -39,6 +39,7 @@ from typing import Any
 
 import psutil
 import yaml
+from local_ports import free_port
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
@@ -89,7 +90,7 @@ class Cluster:
              "examples/train.py",
              "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
              *getattr(self.args, "train_args", [])],
-            cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
     def _host_flag(self, index: int) -> list[str]:
@@ -189,7 +190,7 @@ def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshare
     work = work / ("baseline-unshared" if unshared_store else "baseline")
     work.mkdir(parents=True, exist_ok=True)
     marks = work / "baseline-steps.jsonl"
-    env = {**_env(), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared_store else {})}
+    env = {**job_env(), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared_store else {})}
     width = width_for(args.state_mb)
     procs = []
     initial = args.nodes - 1 if scenario == "join" else args.nodes
@@ -256,19 +257,12 @@ def _signal_tree(pid: int, sig: signal.Signals) -> None:
             pass
 
 
-def _env() -> dict[str, str]:
+def job_env() -> dict[str, str]:
+    """The environment of launched jobs: the repo importable, one thread per process, no PET_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -294,14 +288,14 @@ def main() -> None:
         args.fault_node = args.nodes - 1
     if args.backend == "c10d" and args.fault_node == 0:
         parser.error("--fault-node 0 hosts the c10d store: faulting it ends the job's rendezvous (use --backend etcd3)")
-    args.baseline_endpoint = f"127.0.0.1:{_free_port()}"
+    args.baseline_endpoint = f"127.0.0.1:{free_port()}"
     work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
     with contextlib.ExitStack() as stack:
         if args.backend == "etcd3" and not args.rdzv_endpoint:
             from etcd_server import EtcdServer
 
             args.rdzv_endpoint = stack.enter_context(EtcdServer(work / "etcd-data")).endpoint
-        args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+        args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{free_port()}"
         runs = run_scenarios(args, work)
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
                               "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
