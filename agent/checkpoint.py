@@ -242,9 +242,7 @@ class Checkpointer:
         """Commit a written snapshot, or (when any rank failed to write it) remove it and raise."""
         try:
             if error is None:
-                self._commit(step, path)
-                self.events.record("save_committed", step=step, snapshot=str(path),
-                                   seconds=time.perf_counter() - started)
+                self._commit(step, path, started)
                 return
             failure = _first_error(str(error))
         except OSError as exc:
@@ -256,9 +254,10 @@ class Checkpointer:
         raise CheckpointError(f"{path}: saving step {step} failed ({failure}); the partial snapshot was removed and "
                               f"{latest or 'no snapshot'} stays the latest committed one")
 
-    def _commit(self, step: int, path: Path) -> None:
+    def _commit(self, step: int, path: Path, started: float) -> None:
         """Make this rank's files durable and checksum its share of them; then rank 0 writes the
-        checksum record and, last, the commit marker. Raises OSError on a failed write."""
+        checksum record and, last, the commit marker, and records ``save_committed`` at once (so
+        the event exists whenever the marker does). Raises OSError on a failed write."""
         error = None
         try:
             _fsync_tree(path)
@@ -288,6 +287,8 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 os.replace(tmp, path / COMMIT_MARKER)
                 _fsync_dir(path)
+                self.events.record("save_committed", step=step, snapshot=str(path),
+                                   seconds=time.perf_counter() - started)
             except OSError as exc:
                 error = f"committing: {exc}"
         if (failure := _first_error(error)) is not None:
