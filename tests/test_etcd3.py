@@ -105,14 +105,15 @@ def test_an_unreachable_endpoint_fails_with_one_clear_message():
 
 def test_plain_torchrun_finds_the_backend_by_name(etcd, tmp_path):
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('world', os.environ['WORLD_SIZE'], flush=True)\n")
+    script.write_text("import os, pathlib, sys\n"
+                      "pathlib.Path(sys.argv[1], 'rank' + os.environ['RANK']).write_text(os.environ['WORLD_SIZE'])\n")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=etcd3",
-         f"--rdzv-endpoint={etcd.endpoint}", "--rdzv-id=plain", str(script)],
+         f"--rdzv-endpoint={etcd.endpoint}", "--rdzv-id=plain", str(script), str(tmp_path)],
         capture_output=True, text=True, env=worker_env(), cwd=REPO, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("world 2") == 2
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]
 
 
 def harness_args(endpoint: str, **overrides):
