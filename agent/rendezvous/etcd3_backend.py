@@ -157,9 +157,7 @@ class Etcd3Store(Store):
         self._connection.call(lambda c: c.put(self._key(key), _bytes(value), self._lease.get()))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        value, _ = self._connection.call(lambda c: c.get(self._key(key)))
-        return value
+        return self._values_when_set([key], self.timeout)[0]
 
     def add(self, key: str, num: int) -> int:
         full = self._key(key)
@@ -192,17 +190,25 @@ class Etcd3Store(Store):
         return responses[0][0][0] if responses[0] else expected
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._connection.call(lambda c, k=k: c.get(self._key(k)))[0] is not None for k in keys)
+        return all(value is not None for value in self._values(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = (timeout or self.timeout).total_seconds()
+        self._values_when_set(keys, timeout or self.timeout)
+
+    def _values(self, keys: list[str]) -> list[bytes | None]:
+        return [self._connection.call(lambda c, k=k: c.get(self._key(k)))[0] for k in keys]
+
+    def _values_when_set(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        """The keys' values, read again with backoff until every one is set (or ``timeout``)."""
+        limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
         delay = 0.01
-        while not self.check(keys):
+        while None in (values := self._values(keys)):
             if time.monotonic() > deadline:
                 raise LookupError(f"etcd3 store: keys {keys} under {self._prefix} not set within {limit:.0f} s")
             time.sleep(delay)
             delay = min(0.5, delay * 2)
+        return values
 
     def delete_key(self, key: str) -> bool:
         return bool(self._connection.call(lambda c: c.delete(self._key(key))))
