@@ -31,15 +31,10 @@ class CheckReport:
     checksummed: bool
 
 
-def total_bytes(path: Path) -> int:
-    """The bytes a full check of ``path`` hashes (for a progress bar); 0 without checksums."""
-    checksums = load_checksums(path)
-    return checksums.total_bytes if checksums else 0
-
-
-def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], None] | None = None) -> CheckReport:
+def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], None] | None = None,
+                   on_total: Callable[[int], None] | None = None) -> CheckReport:
     """Check ``path``; raise RestoreError (ChecksumError for bad bytes) naming the first bad file
-    and what it holds."""
+    and what it holds. ``on_total`` learns the bytes that will be hashed, before any is."""
     metadata = load_metadata(path)
     stored_in = holders(metadata)
 
@@ -62,6 +57,8 @@ def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], No
     checksums = load_checksums(path)
     if checksums is None:
         return CheckReport(len(stored_in), 0, checksummed=False)
+    if on_total is not None:
+        on_total(checksums.total_bytes)
     wanted = {name: range(len(digest.blocks)) for name, digest in checksums.files.items()}
     missing = sorted(set(stored_in) - set(wanted))
     if missing:

@@ -79,12 +79,15 @@ def verify_command(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    from agent.snapshot_check import check_snapshot, total_bytes
+    from agent.snapshot_check import check_snapshot
+
+    def set_total(nbytes: int) -> None:
+        bar.total = nbytes
+        bar.refresh()
 
     try:
-        with tqdm(total=total_bytes(args.path), unit="B", unit_scale=True, desc="verify", file=sys.stderr,
-                  disable=None) as bar:
-            report = check_snapshot(args.path, threads=args.threads, progress=bar.update)
+        with tqdm(unit="B", unit_scale=True, desc="verify", file=sys.stderr, disable=None) as bar:
+            report = check_snapshot(args.path, threads=args.threads, progress=bar.update, on_total=set_total)
     except TorchreviveError as exc:
         print(f"torchrevive verify: error: {exc}", file=sys.stderr)
         return 1
