@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -31,42 +30,20 @@ from agent.checksums import data_files, digest_files, write_checksums
 from agent.config import load_config
 from agent.errors import RestoreError, TorchreviveError
 from agent.events import EventLog
-from agent.restore import restore as restore_snapshot
+from agent.restore.engine import restore as restore_snapshot
+from agent.snapshot_dirs import (
+    COMMIT_MARKER,
+    committed_snapshots,
+    is_committed,
+    list_snapshots,
+    snapshot_dir,
+    step_of,
+)
 from agent.worker import WorkerContext
-
-COMMIT_MARKER = ".torchrevive_commit"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(TorchreviveError):
     """A save cannot go ahead (say, it would overwrite a committed snapshot)."""
-
-
-def snapshot_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step}"
-
-
-def is_committed(path: Path) -> bool:
-    """Whether a snapshot directory carries its commit marker."""
-    return (path / COMMIT_MARKER).is_file()
-
-
-def step_of(path: Path) -> int | None:
-    """N for a ``step_<N>`` directory, else None."""
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def list_snapshots(root: Path) -> list[tuple[int, Path]]:
-    """Every ``step_<N>`` directory under ``root``, committed or not, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir())
-
-
-def committed_snapshots(root: Path) -> list[tuple[int, Path]]:
-    """The committed ``step_<N>`` snapshots under ``root``, oldest first."""
-    return [(step, p) for step, p in list_snapshots(root) if is_committed(p)]
 
 
 class Checkpointer:

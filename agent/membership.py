@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -23,8 +23,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 Cause = Literal["node_lost", "node_hung", "node_joined", "worker_failed"]
 """node_lost: a participant's heartbeats lapsed (killed, frozen or cut off: from the survivors'
 side these look alike); node_hung: this node finds itself out of the round it was running, so it
-was the unresponsive one (frozen, then thawed); node_joined: nodes wait to join; worker_failed: a
-local worker failed while membership held."""
+was the unresponsive one (frozen, then thawed); node_joined: nodes wait to join (new nodes, or peers
+that left the round by themselves to rejoin); worker_failed: a local worker failed while membership
+held."""
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,11 @@ class MembershipWatch:
         self._last_poll = 0.0
         self._heartbeats: dict[str, float] = {}
         self._changed = threading.Event()
+        settings = handler._settings
+        self._heartbeat_timeout = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
         backend = getattr(handler._state_holder, "_backend", None)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
             backend.watch_state(self._changed.set)
-
-    @staticmethod
-    def supports(handler: Any) -> bool:
-        """Whether the handler keeps a state this watch can read."""
-        return isinstance(handler, DynamicRendezvousHandler)
 
     @property
     def node(self) -> str:
@@ -115,12 +113,21 @@ class MembershipWatch:
         current = self.read()
         if current.round != self._round.round or self.node not in current.participants:
             return Change("node_hung", lost=frozenset({self.node}))
-        lost = self._round.participants - current.participants
+        gone = self._round.participants - current.participants
+        lost = frozenset(node for node in gone if not self._heard_from_lately(node))
         if lost:
             return Change("node_lost", lost=lost, failed_at=self.last_heartbeat(lost), workers_blocked=workers_healthy)
-        if current.waiting:
-            return Change("node_joined", joined=current.waiting)
+        # A participant that left with a current heartbeat left by itself: its agent is restarting
+        # (for a joining node, or a failed worker of its own) and rejoins through the wait list.
+        if current.waiting or gone:
+            return Change("node_joined", joined=current.waiting | gone)
         return None
+
+    def _heard_from_lately(self, node: str) -> bool:
+        """Whether ``node``'s last heartbeat seen is younger than the heartbeat timeout: torch
+        drops a node only after its heartbeats lapsed that long."""
+        seen = self._heartbeats.get(node)
+        return seen is not None and time.time() - seen < self._heartbeat_timeout
 
     def last_heartbeat(self, nodes: frozenset[str]) -> float | None:
         """The latest heartbeat seen from any of ``nodes`` (when they stopped), if any was seen."""

@@ -2,6 +2,7 @@
 
 * watch the rendezvous for lost, hung and joining nodes and its own eviction, and stop its
   workers at once on any change instead of waiting for a collective to time out;
+* re-form as soon as every live node joined the next round, not at torch's last call;
 * count only real worker failures against ``max_restarts`` (a failure caused by a lost peer is a
   membership change, as torchrun already treats a joining node);
 * give each round's workers a fresh store, the snapshot the round's leader chose, the gradient
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -34,12 +36,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from agent import worker
-from agent.checkpoint import committed_snapshots
 from agent.config import ConfigError, JobConfig, parse_seconds
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.membership import Change, MembershipWatch
-from agent.prefetch import node_share, prefetch
+from agent.rendezvous.prompt import PromptOpExecutor
+from agent.snapshot_dirs import committed_snapshots
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
@@ -70,16 +72,23 @@ class RecoveryAgent(LocalElasticAgent):
         self._nproc_per_node = self._worker_group.spec.local_world_size
         self._standby = False
         self._nodes_used = 0
-        self._wrap_next_rendezvous(handler)
         keep_alive = parse_seconds(job.rendezvous.conf.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_S))
         self._heartbeat_timeout = keep_alive * int(job.rendezvous.conf.get("keep_alive_max_attempt", 3))
-        self._watch = MembershipWatch(handler, poll_interval=keep_alive / 2) if MembershipWatch.supports(handler) else None
+        dynamic = isinstance(handler, DynamicRendezvousHandler)
+        self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10) if dynamic else None
+        self._watch = MembershipWatch(handler, poll_interval=keep_alive / 4) if dynamic else None
+        self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
         self._metrics = Metrics.serve(job.observability.metrics_addr, job.observability.metrics_port)
         self._previous_participants: frozenset[str] = frozenset()
         self._restart_counted = False
         self._prefetch_stop = threading.Event()
+        # Prefetch reads manifests through torchsnapshot (with DTensor and DCP: seconds of CPU on a
+        # busy node). Loaded beside the first rendezvous: not before it, which would delay a
+        # joining node, nor when the first workers start, which would slow them down.
+        threading.Thread(target=importlib.import_module, args=("agent.prefetch",), name="torchrevive-preload",
+                         daemon=True).start()
 
     def worker_environment(self) -> dict[str, str]:
         """The TORCHREVIVE_* variables for the round about to start."""
@@ -246,6 +255,8 @@ class RecoveryAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size
 
         def run() -> None:
+            from agent.prefetch import node_share, prefetch
+
             started = time.monotonic()
             try:
                 nbytes = prefetch(snapshot, node_share(snapshot, ranks, world_size), stop=stop)
@@ -261,6 +272,7 @@ class RecoveryAgent(LocalElasticAgent):
     def _wrap_next_rendezvous(self, handler: Any) -> None:
         """Right after each rendezvous, before torch assigns worker ranks:
 
+        * from the first completed round on, this node completes rounds early (PromptOpExecutor);
         * rank 0 publishes MASTER_ADDR/MASTER_PORT in the round's store. torch 2.13's
           DynamicRendezvousHandler does so only in the first round a node is rank 0 in, and a node
           joining a later round waited for them 60 s and failed (found with a join);
@@ -272,6 +284,8 @@ class RecoveryAgent(LocalElasticAgent):
 
         def next_rendezvous_then_roles() -> RendezvousInfo:
             info = next_rendezvous()
+            if self._executor is not None:
+                self._executor.rejoining = True
             if info.rank == 0 and isinstance(handler, DynamicRendezvousHandler):
                 bootstrap = info.bootstrap_store_info
                 info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr)

@@ -37,7 +37,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(build_model(args.width))
+    model = nn.parallel.DistributedDataParallel(build_model(args.width, torch.device("cpu")))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     checkpoint = args.dir / "state.pt"
     step = torch.zeros((), dtype=torch.int64)

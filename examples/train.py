@@ -44,13 +44,23 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model(width: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-        # 8 outputs, not 1: torchsnapshot cannot save an empty FSDP2 shard, which a 1-row layer
-        # has on every rank but the first.
-        nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8),
-    )
+def build_model(width: int, device: torch.device, *, initialize: bool = True) -> nn.Module:
+    """The MLP on ``device``; with ``initialize=False`` its parameters get memory but no initial
+    values (for a model about to be restored: random init of a large model is seconds of CPU)."""
+
+    def layers() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+            # 8 outputs, not 1: torchsnapshot cannot save an empty FSDP2 shard, which a 1-row layer
+            # has on every rank but the first.
+            nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8),
+        )
+
+    if initialize:
+        return layers().to(device)
+    with torch.device("meta"):
+        model = layers()
+    return model.to_empty(device=device)
 
 
 def synthetic_dataset(samples: int, seed: int) -> TensorDataset:
@@ -71,7 +81,9 @@ def first_crash(run_id: str, step: int) -> bool:
     return True
 
 
-def wrap(model: nn.Module, use_fsdp: bool, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, use_fsdp: bool, device: torch.device, *, broadcast: bool) -> nn.Module:
+    """FSDP2 or DDP; ``broadcast=False`` skips DDP's initial copy of rank 0's parameters (when every
+    rank restores the same values anyway)."""
     if use_fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -79,7 +91,8 @@ def wrap(model: nn.Module, use_fsdp: bool, device: torch.device) -> nn.Module:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         return fully_shard(model)
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                               init_sync=broadcast)
 
 
 @record
@@ -92,10 +105,12 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     torch.manual_seed(args.seed)
-    model = wrap(build_model(args.width).to(device), args.fsdp, device)
+    # The agent named a snapshot for this round: every parameter is about to be overwritten.
+    resuming = ctx.checkpoint_dir is not None and ctx.restore_from is not None
+    model = wrap(build_model(args.width, device, initialize=not resuming), args.fsdp, device, broadcast=not resuming)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if ctx.rank == 0:
-        n_params = sum(p.numel() for p in build_model(args.width).parameters())
+        n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
         print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={n_params} "
               f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
 

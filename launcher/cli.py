@@ -104,7 +104,7 @@ def list_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from agent.checkpoint import list_snapshots
+    from agent.snapshot_dirs import list_snapshots
     from agent.snapshot_info import summarize
 
     snapshots = list_snapshots(args.dir)

@@ -38,7 +38,7 @@ WORKER_START = textwrap.dedent("""
     from examples.train import build_model
     rank, world, port, width = map(int, sys.argv[1:5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.nn.parallel.DistributedDataParallel(build_model(width))
+    torch.nn.parallel.DistributedDataParallel(build_model(width, torch.device("cpu")))
     print(time.time(), flush=True)
     import os; os._exit(0)
 """)

@@ -14,14 +14,9 @@ import torchsnapshot
 from conftest import REPO, worker_env
 from torch import nn
 
-from agent.checkpoint import (
-    COMMIT_MARKER,
-    Checkpointer,
-    CheckpointError,
-    is_committed,
-    list_snapshots,
-)
+from agent.checkpoint import Checkpointer, CheckpointError
 from agent.errors import RestoreError
+from agent.snapshot_dirs import COMMIT_MARKER, is_committed, list_snapshots
 
 
 def state(seed: int) -> dict:

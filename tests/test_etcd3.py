@@ -82,6 +82,14 @@ def test_an_abandoned_runs_state_expires_with_its_lease(etcd):
     assert watcher.get_state() is None
 
 
+def test_a_live_agents_lease_outlasts_its_ttl(etcd, caplog):
+    backend = backend_on(etcd.endpoint, ttl=2)
+    backend.set_state(b"state")
+    time.sleep(5)  # 2.5 TTLs: the background refresh must have kept the lease (and the key) alive
+    assert backend.get_state()[0] == b"state"
+    assert "refreshing the etcd lease failed" not in caplog.text
+
+
 def test_store(etcd):
     connection = connect(etcd.endpoint)
     store = Etcd3Store(connection, "/test/store", Etcd3Lease(connection, 30))
@@ -114,6 +122,19 @@ def test_plain_torchrun_finds_the_backend_by_name(etcd, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]
+
+
+def test_the_entry_point_loads_whichever_torch_module_is_imported_first():
+    # torch loads `torchrun.handlers` entry points while its elastic agent module is still being
+    # imported; a plugin that imported torchsnapshot (and through it DCP) there failed on a
+    # circular import, and torch only logged it and went on without the backend.
+    probe = ("import torch.distributed.elastic.agent.server.local_elastic_agent\n"
+             "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as registry\n"
+             "print(sorted(name for name in ('etcd3', 'etcd-v3') if name in registry._registry))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=worker_env(), cwd=REPO,
+                          timeout=60, check=True)
+    assert done.stdout.split("\n")[0] == "['etcd-v3', 'etcd3']"
+    assert "Exception while registering" not in done.stderr, done.stderr[-2000:]
 
 
 def harness_args(endpoint: str, **overrides):

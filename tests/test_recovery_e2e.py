@@ -13,11 +13,11 @@ import time
 import torch
 from conftest import REPO, TORCHREVIVE, free_port, worker_env
 
-from agent.checkpoint import committed_snapshots
+from agent import restore
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
-from agent.restore import restore
 from agent.snapshot_check import check_snapshot
+from agent.snapshot_dirs import committed_snapshots
 
 sys.path.insert(0, str(REPO / "scripts"))
 import local_cluster
@@ -61,7 +61,7 @@ def final_model(snapshot) -> dict:
     from examples.train import build_model
 
     model = torch.nn.Module()
-    model.module = build_model(WIDTH)
+    model.module = build_model(WIDTH, torch.device("cpu"))
     restore(snapshot, {"model": model})
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -73,7 +73,8 @@ class Etcd3Lease:
         while True:
             time.sleep(self._ttl / 3)
             try:
-                remaining = self._connection.call(lambda c: c.refresh_lease(self._lease.id))
+                # etcd3's refresh_lease is a generator: the keep-alive is sent as it is consumed.
+                remaining = self._connection.call(lambda c: list(c.refresh_lease(self._lease.id)))
                 if not remaining or remaining[0].TTL <= 0:  # expired (etcd was down too long): a new one
                     with self._lock:
                         self._lease = None

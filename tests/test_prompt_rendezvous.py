@@ -1,0 +1,90 @@
+"""PromptOpExecutor on torch's real dynamic rendezvous (c10d store, several handlers in threads):
+a re-rendezvous completes once every live node joined, without waiting out a long last call, but
+still waits for a live node that joins late; a job's first round still waits out the last call."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import free_port
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    create_handler,
+)
+
+from agent.rendezvous.prompt import PromptOpExecutor
+
+LONG_LAST_CALL_S = 60
+JOIN_TIMEOUT_S = 20
+"""A node left out of a round fails with RendezvousTimeoutError after this long (and torch alone
+would still be waiting for its 60 s last call)."""
+
+
+@pytest.fixture
+def make_node():
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the c10d store's host
+    handlers: list[DynamicRendezvousHandler] = []
+
+    def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
+        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="prompt", min_nodes=1,
+                                      max_nodes=max_nodes, join_timeout=JOIN_TIMEOUT_S, last_call_timeout=last_call_s,
+                                      keep_alive_interval=1, keep_alive_max_attempt=2)
+        # A store client per node, as each agent has: one client's blocking read holds its socket.
+        client = TCPStore("127.0.0.1", port, is_master=False)
+        handler = create_handler(client, C10dRendezvousBackend(client, "prompt"), params)
+        handlers.append(handler)
+        return handler, PromptOpExecutor.install(handler, poll_interval=0.05)
+
+    yield make
+    for handler in handlers:
+        handler._stop_heartbeats()
+    del server
+
+
+def rendezvous(handlers, delays=None) -> list[int]:
+    """Every handler's next_rendezvous at once (each after its delay); their world sizes."""
+    delays = delays or [0.0] * len(handlers)
+
+    def join(handler, delay):
+        time.sleep(delay)
+        return handler.next_rendezvous().world_size
+
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(join, handlers, delays))
+
+
+def test_survivors_re_form_without_waiting_out_the_last_call(make_node):
+    nodes = [make_node() for _ in range(3)]
+    handlers = [h for h, _ in nodes]
+    assert rendezvous(handlers) == [3, 3, 3]  # max_nodes joined: torch completes the round at once
+    for _, executor in nodes:
+        executor.rejoining = True  # as the agent sets it after its first round
+    handlers[2]._stop_heartbeats()  # the third node dies: its heartbeats lapse after 2 s
+    assert rendezvous(handlers[:2]) == [2, 2]  # before the join timeout, torch alone waits 60 s here
+
+
+def test_a_live_node_that_joins_late_is_waited_for(make_node):
+    nodes = [make_node() for _ in range(3)]
+    handlers = [h for h, _ in nodes]
+    assert rendezvous(handlers) == [3, 3, 3]
+    for _, executor in nodes:
+        executor.rejoining = True
+    # The third node is alive (heartbeating) but 1.5 s slower to rejoin: the round waits for it
+    # (completing with the two first ones would leave it out, in the wait list).
+    assert rendezvous(handlers, delays=[0, 0, 1.5]) == [3, 3, 3]
+
+
+def test_the_first_round_still_waits_out_the_last_call(make_node):
+    first, second = make_node(max_nodes=4, last_call_s=3)[0], make_node(max_nodes=4, last_call_s=3)[0]
+    # The second node starts 1 s after the first, when the first is the only live node: both are
+    # in the job's first round.
+    assert rendezvous([first, second], delays=[0, 1]) == [2, 2]
+
