@@ -1,6 +1,7 @@
-"""PromptOpExecutor on torch's real dynamic rendezvous (c10d store, several handlers in threads):
-a re-rendezvous completes once every live node joined, without waiting out a long last call, but
-still waits for a live node that joins late; a job's first round still waits out the last call."""
+"""PromptOpExecutor and MembershipWatch on torch's real dynamic rendezvous (c10d store, several
+handlers in threads): a re-rendezvous completes once every live node joined, without waiting out a
+long last call, but still waits for a live node that joins late; a job's first round still waits
+out the last call; the watch tells a peer that left to rejoin from a lost one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from agent.membership import MembershipWatch
 from agent.rendezvous.prompt import PromptOpExecutor
 
 LONG_LAST_CALL_S = 60
@@ -88,3 +90,35 @@ def test_the_first_round_still_waits_out_the_last_call(make_node):
     # in the job's first round.
     assert rendezvous([first, second], delays=[0, 1]) == [2, 2]
 
+
+
+def first_change(watch: MembershipWatch, timeout: float = 10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        change = watch.check(workers_healthy=True, now=True)
+        if change is not None:
+            return change
+        time.sleep(0.05)
+    raise AssertionError(f"no membership change within {timeout} s")
+
+
+def test_the_watch_tells_a_peer_restarting_from_a_lost_one(make_node):
+    nodes = [make_node() for _ in range(3)]
+    (first, _), (second, _), (third, _) = nodes
+    assert rendezvous([first, second, third]) == [3, 3, 3]
+    for _, executor in nodes:
+        executor.rejoining = True
+    watch = MembershipWatch(first, poll_interval=0.05)
+    watch.start_round()
+    with ThreadPoolExecutor(1) as pool:
+        rejoined = pool.submit(second.next_rendezvous)  # its agent restarts: it leaves, to rejoin
+        change = first_change(watch)
+        assert change.cause == "node_joined" and change.lost == frozenset()
+        assert change.joined == {str(second._this_node)}
+        third._stop_heartbeats()  # the third node dies
+        # The first node rejoins too; the round re-forms without the third once it is dropped.
+        assert first.next_rendezvous().world_size == 2 and rejoined.result().world_size == 2
+    watch.start_round()
+    second._stop_heartbeats()
+    change = first_change(watch)
+    assert change.cause == "node_lost" and change.lost == {str(second._this_node)}
