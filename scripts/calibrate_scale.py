@@ -34,11 +34,12 @@ RESULTS = REPO / "docs" / "results"
 WORKER_START = textwrap.dedent("""
     import sys, time
     import torch, torch.distributed as dist
-    import agent
+    from agent import Checkpointer  # torchsnapshot, DTensor and DCP load, as in the example's workers
     from examples.train import build_model
     rank, world, port, width = map(int, sys.argv[1:5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.nn.parallel.DistributedDataParallel(build_model(width, torch.device("cpu")))
+    # as the example starts when it resumes: no initializers, no broadcast (the restore sets the values)
+    torch.nn.parallel.DistributedDataParallel(build_model(width, torch.device("cpu"), initialize=False), init_sync=False)
     print(time.time(), flush=True)
     import os; os._exit(0)
 """)
@@ -119,7 +120,7 @@ def main() -> None:
         local = replace(Assumptions(), gpus=nodes * nproc, gpus_per_node=nproc, size_bytes=run["state_bytes"],
                         storage_aggregate_gbps=raw_cold, client_gbps=raw_cold, memory_gbps=raw_warm,
                         page_cache_warm=1.0, worker_start_s=start, rendezvous_s=0.5, failure=failure,
-                        keep_alive_s=1.0, keep_alive_attempts=3, last_call_s=1.0, first_step_s=0.0)
+                        keep_alive_s=1.0, keep_alive_attempts=3, first_step_s=0.0)
         predicted = sum(torchrevive(local).values())
         phases = run["torchrevive"]["phases"]
         measured = run["torchrevive"]["recovery_s"] - phases["first_step"]

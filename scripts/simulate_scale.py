@@ -57,8 +57,10 @@ class Assumptions:
     first_step_s: float = 5.0
     keep_alive_s: float = 1.0
     keep_alive_attempts: int = 3
-    last_call_s: float = 1.0
-    """torchrevive's configured last_call_timeout (configs/local.yaml)."""
+    rejoin_polls: int = 3
+    """State reads a re-rendezvous waits for (leave the round, join the next, see it complete):
+    torchrevive's nodes read every keep_alive_interval / 10, and a round completes once every live
+    node joined, without torch's last call."""
     failure_seen_s: float = 1.0
     """After a kill: until the peers' collectives fail and their agents see it."""
     torchrun_keep_alive_s: float = 5.0
@@ -105,8 +107,8 @@ def torchrevive(a: Assumptions) -> dict[str, float]:
     heartbeat = a.keep_alive_s * a.keep_alive_attempts
     detect = heartbeat + a.keep_alive_s / 4 if a.failure == "hang" else a.failure_seen_s
     # A killed node leaves the round once its heartbeats lapse, so the next round waits for that
-    # (a hang was detected by it already); then the last call.
-    rendezvous = max(0.0, heartbeat - detect) + a.last_call_s + a.rendezvous_s
+    # (a hang was detected by it already); then a few polls of the state.
+    rendezvous = max(0.0, heartbeat - detect) + a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
     nodes = a.nodes - 1
     sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
     stripe = a.size_bytes * a.replicated_fraction / nodes  # read once per cluster, a stripe per node
