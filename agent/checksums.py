@@ -55,6 +55,11 @@ class Checksums:
             return range(0)
         return range(start // self.block_bytes, (end - 1) // self.block_bytes + 1)
 
+    def block_range(self, location: str, block: int) -> tuple[int, int]:
+        """The bytes ``lo``..``hi`` (exclusive) of a file that block ``block`` covers."""
+        lo = block * self.block_bytes
+        return lo, min(lo + self.block_bytes, self.files[location].size)
+
     @property
     def total_bytes(self) -> int:
         return sum(d.size for d in self.files.values())
@@ -155,8 +160,7 @@ def block_checks(
     check_sizes(root, checksums, wanted, describe)
 
     def check(location: str, block: int) -> int:
-        lo = block * checksums.block_bytes
-        hi = min(lo + checksums.block_bytes, checksums.files[location].size)
+        lo, hi = checksums.block_range(location, block)
         with _mapped(root / location) as view:
             actual = _digest(view, lo, hi)
         if actual != checksums.files[location].blocks[block]:

@@ -69,8 +69,9 @@ class MembershipWatch:
         self._last_poll = 0.0
         self._heartbeats: dict[str, float] = {}
         self._changed = threading.Event()
-        settings = handler._settings
-        self._heartbeat_timeout = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        settings = handler.settings
+        self.heartbeat_timeout = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        """Seconds without a heartbeat after which torch drops a node."""
         backend = getattr(handler._state_holder, "_backend", None)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
             backend.watch_state(self._changed.set)
@@ -127,7 +128,7 @@ class MembershipWatch:
         """Whether ``node``'s last heartbeat seen is younger than the heartbeat timeout: torch
         drops a node only after its heartbeats lapsed that long."""
         seen = self._heartbeats.get(node)
-        return seen is not None and time.time() - seen < self._heartbeat_timeout
+        return seen is not None and time.time() - seen < self.heartbeat_timeout
 
     def last_heartbeat(self, nodes: frozenset[str]) -> float | None:
         """The latest heartbeat seen from any of ``nodes`` (when they stopped), if any was seen."""

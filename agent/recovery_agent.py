@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from agent import worker
-from agent.config import ConfigError, JobConfig, parse_seconds
+from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.membership import Change, MembershipWatch
@@ -46,8 +46,6 @@ from agent.snapshot_dirs import committed_snapshots
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
 JOB_SUCCEEDED_KEY = "torchrevive/job_succeeded"
-DEFAULT_KEEP_ALIVE_S = 5.0
-"""torch's dynamic rendezvous default keep_alive_interval."""
 
 
 class RecoveryAgent(LocalElasticAgent):
@@ -72,11 +70,12 @@ class RecoveryAgent(LocalElasticAgent):
         self._nproc_per_node = self._worker_group.spec.local_world_size
         self._standby = False
         self._nodes_used = 0
-        keep_alive = parse_seconds(job.rendezvous.conf.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_S))
-        self._heartbeat_timeout = keep_alive * int(job.rendezvous.conf.get("keep_alive_max_attempt", 3))
-        dynamic = isinstance(handler, DynamicRendezvousHandler)
-        self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10) if dynamic else None
-        self._watch = MembershipWatch(handler, poll_interval=keep_alive / 4) if dynamic else None
+        self._executor: PromptOpExecutor | None = None
+        self._watch: MembershipWatch | None = None
+        if isinstance(handler, DynamicRendezvousHandler):
+            keep_alive = handler.settings.keep_alive_interval.total_seconds()
+            self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10)
+            self._watch = MembershipWatch(handler, poll_interval=keep_alive / 4)
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -144,7 +143,7 @@ class RecoveryAgent(LocalElasticAgent):
         when no restart is left (otherwise the next rendezvous tells, and refunds the restart)."""
         if self._watch is None or self._remaining_restarts > 0:
             return None
-        deadline = time.monotonic() + self._heartbeat_timeout + 1
+        deadline = time.monotonic() + self._watch.heartbeat_timeout + 1
         while time.monotonic() < deadline:
             change = self._watch.check(workers_healthy=False)
             if change is not None:

@@ -180,8 +180,8 @@ def _block_checks(root: Path, plan: _Plan, mode: str) -> tuple[list, int]:
         wanted = {location: set(sample(location, blocks)) for location, blocks in wanted.items()}
     checks = block_checks(root, checksums, wanted, lambda location: f"it holds '{plan.holders.get(location, '?')}': "
                           "the snapshot is damaged, restore another one")
-    covered = sum(min(checksums.block_bytes, checksums.files[location].size - block * checksums.block_bytes)
-                  for location, blocks in wanted.items() for block in blocks)
+    covered = sum(hi - lo for location, blocks in wanted.items() for lo, hi in
+                  (checksums.block_range(location, block) for block in blocks))
     return checks, covered
 
 
