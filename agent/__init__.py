@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from agent.worker import WorkerContext
 
 _HOMES = {
-    "Checkpointer": "agent.checkpoint",
-    "CheckpointError": "agent.checkpoint",
+    "Checkpointer": "agent.checkpoint.checkpointer",
+    "CheckpointError": "agent.checkpoint.checkpointer",
     "ElasticSampler": "agent.elastic_sampler",
     "FastStorageReader": "agent.restore.dcp_reader",
     "RestoreError": "agent.errors",

@@ -41,7 +41,7 @@ from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.membership import Change, MembershipWatch
 from agent.rendezvous.prompt import PromptOpExecutor
-from agent.snapshot_dirs import committed_snapshots
+from agent.checkpoint.dirs import committed_snapshots
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"

@@ -49,7 +49,7 @@ def inspect_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive inspect", description="Summarize a snapshot.")
     parser.add_argument("path", type=Path)
     args = parser.parse_args(argv)
-    from agent.snapshot_info import summarize
+    from agent.checkpoint.inspect import summarize
 
     try:
         summary = summarize(args.path)
@@ -79,7 +79,7 @@ def verify_command(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    from agent.snapshot_check import check_snapshot
+    from agent.checkpoint.verify import check_snapshot
 
     def set_total(nbytes: int) -> None:
         bar.total = nbytes
@@ -104,8 +104,8 @@ def list_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from agent.snapshot_dirs import list_snapshots
-    from agent.snapshot_info import summarize
+    from agent.checkpoint.dirs import list_snapshots
+    from agent.checkpoint.inspect import summarize
 
     snapshots = list_snapshots(args.dir)
     if not snapshots:

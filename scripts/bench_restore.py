@@ -225,7 +225,7 @@ def measure_save(root: Path, size_bytes: int, repeats: int) -> dict:
     import torchsnapshot
 
     from agent.checkpoint import Checkpointer
-    from agent.checksums import data_files, digest_files
+    from agent.checkpoint.checksums import data_files, digest_files
 
     dist.init_process_group("gloo", init_method=f"file://{root / 'save-pg'}", rank=0, world_size=1)
     model, optim = build_state(size_bytes, seed=2)

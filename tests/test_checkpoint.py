@@ -16,7 +16,7 @@ from torch import nn
 
 from agent.checkpoint import Checkpointer, CheckpointError
 from agent.errors import RestoreError
-from agent.snapshot_dirs import COMMIT_MARKER, is_committed, list_snapshots
+from agent.checkpoint.dirs import COMMIT_MARKER, is_committed, list_snapshots
 
 
 def state(seed: int) -> dict:
@@ -84,7 +84,7 @@ KILLER = textwrap.dedent("""
     import os, signal, sys, threading
     import torch, torchsnapshot
     from torch import nn
-    import agent.checkpoint as checkpoint
+    import agent.checkpoint.checkpointer as checkpoint
     root, point = sys.argv[1], sys.argv[2]
     if point == "mid-data":  # async saves need a process group
         import torch.distributed as dist

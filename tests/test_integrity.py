@@ -17,7 +17,7 @@ from torchsnapshot import knobs
 
 import agent
 from agent.checkpoint import Checkpointer, CheckpointError
-from agent.checksums import BLOCK_BYTES, CHECKSUMS_FILE, data_files, load_checksums
+from agent.checkpoint.checksums import BLOCK_BYTES, CHECKSUMS_FILE, data_files, load_checksums
 from agent.events import EventLog, read_events
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,

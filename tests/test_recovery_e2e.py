@@ -16,8 +16,8 @@ from conftest import REPO, TORCHREVIVE, free_port, worker_env
 from agent import restore
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
-from agent.snapshot_check import check_snapshot
-from agent.snapshot_dirs import committed_snapshots
+from agent.checkpoint.verify import check_snapshot
+from agent.checkpoint.dirs import committed_snapshots
 
 sys.path.insert(0, str(REPO / "scripts"))
 import local_cluster

@@ -17,7 +17,7 @@ from torchsnapshot.flatten import flatten, inflate
 from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
 from torchsnapshot.manifest_utils import is_container_entry
 
-from agent.checksums import block_checks, load_checksums, sample
+from agent.checkpoint.checksums import block_checks, load_checksums, sample
 from agent.errors import RestoreError
 from agent.restore.dcp_reader import FastStorageReader, is_dcp_checkpoint
 from agent.restore.manifest import (

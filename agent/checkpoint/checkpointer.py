@@ -25,13 +25,13 @@ import torchsnapshot
 from torchsnapshot.flatten import flatten
 from torchsnapshot.serialization import ALL_SUPPORTED_DTYPES
 
-from agent import snapshot_compat
-from agent.checksums import data_files, digest_files, write_checksums
+from agent.checkpoint import compat as snapshot_compat
+from agent.checkpoint.checksums import data_files, digest_files, write_checksums
 from agent.config import load_config
 from agent.errors import RestoreError, TorchreviveError
 from agent.events import EventLog
 from agent.restore.engine import restore as restore_snapshot
-from agent.snapshot_dirs import (
+from agent.checkpoint.dirs import (
     COMMIT_MARKER,
     committed_snapshots,
     is_committed,

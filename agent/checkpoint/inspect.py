@@ -11,9 +11,9 @@ from pathlib import Path
 from torchsnapshot.manifest import DTensorEntry, ObjectEntry, ShardedTensorEntry
 from torchsnapshot.manifest_utils import is_fully_replicated_entry
 
-from agent.checksums import load_checksums
+from agent.checkpoint.checksums import load_checksums
 from agent.restore.manifest import TENSOR_ENTRY_TYPES, load_metadata, stored_tensor
-from agent.snapshot_dirs import is_committed, step_of
+from agent.checkpoint.dirs import is_committed, step_of
 
 
 @dataclass

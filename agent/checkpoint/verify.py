@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.checksums import ChecksumError, load_checksums, verify_blocks
+from agent.checkpoint.checksums import ChecksumError, load_checksums, verify_blocks
 from agent.errors import RestoreError
 from agent.restore.manifest import (
     TENSOR_ENTRY_TYPES,
