@@ -117,7 +117,7 @@ class CheckpointSection:
     dir: str | None = None
     interval_steps: int = 100
     keep: int = 3
-    async_save: bool = True
+    staging: bool = True
     on_busy: Literal["wait", "skip"] = "wait"
     verify: Literal["off", "sample", "full"] = "sample"
 

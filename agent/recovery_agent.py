@@ -41,7 +41,7 @@ from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.membership import Change, MembershipWatch
 from agent.rendezvous.prompt import PromptOpExecutor
-from agent.checkpoint.dirs import committed_snapshots
+from agent.checkpoint.dirs import committed_snapshots, write_fence
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
@@ -65,6 +65,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._prev_world_size: int | None = None
         self._worker_store: dist.TCPStore | None = None
         self._restore_from: str = ""
+        self._round: int | None = None
         self._grad_accum_steps = 1
         handler = self._worker_group.spec.rdzv_handler
         self._nproc_per_node = self._worker_group.spec.local_world_size
@@ -99,6 +100,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.PREV_WORLD_SIZE: str(self._prev_world_size or ""),
             worker.RESTORE_FROM: self._restore_from,
             worker.GRAD_ACCUM_STEPS: str(self._grad_accum_steps),
+            worker.ROUND: "" if self._round is None else str(self._round),
         }
 
     # -- the monitor loop ----------------------------------------------------------------------
@@ -188,8 +190,9 @@ class RecoveryAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         if not self._standby:
             self._grad_accum_steps = grad_accum_steps(self._job, world_size)
-        self._restore_from = self._agree_on_snapshot(worker_group)
         membership = self._watch.start_round() if self._watch else None
+        self._round = membership.round if membership else None
+        self._restore_from = self._agree_on_snapshot(worker_group)
         participants = membership.participants if membership else frozenset()
         lost, joined = self._previous_participants - participants, participants - self._previous_participants
         if self._previous_participants and (lost or joined) and self._restart_counted:
@@ -224,9 +227,13 @@ class RecoveryAgent(LocalElasticAgent):
         worker_group.master_addr, worker_group.master_port = address, int(port)
 
     def _agree_on_snapshot(self, worker_group: WorkerGroup) -> str:
-        """The round's leader picks the latest committed snapshot; every node reads its choice."""
+        """The round's leader records the round as the checkpoint dir's fencing token (a save of
+        an older round can no longer commit) and picks the latest committed snapshot; every node
+        reads its choice."""
         directory = self._job.checkpoint.dir
         if worker_group.group_rank == 0:
+            if directory and self._round is not None:
+                write_fence(Path(directory), self._round)
             committed = committed_snapshots(Path(directory)) if directory else []
             worker_group.store.set(RESTORE_FROM_KEY, str(committed[-1][1]) if committed else "")
         return worker_group.store.get(RESTORE_FROM_KEY).decode()

@@ -16,6 +16,7 @@ PREV_WORLD_SIZE = "TORCHREVIVE_PREV_WORLD_SIZE"
 GRAD_ACCUM_STEPS = "TORCHREVIVE_GRAD_ACCUM_STEPS"
 EVENT_LOG = "TORCHREVIVE_EVENT_LOG"
 CONFIG = "TORCHREVIVE_CONFIG"
+ROUND = "TORCHREVIVE_ROUND"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +24,8 @@ class WorkerContext:
     """One rank's view of the job for the current round.
 
     ``prev_world_size`` is None in the first round; ``restore_from`` is None when the agent chose
-    no snapshot (none exists yet, or the job runs without a checkpoint dir).
+    no snapshot (none exists yet, or the job runs without a checkpoint dir); ``round`` is the
+    rendezvous round (the fencing token of saves), None outside torchrevive's agent.
     """
 
     rank: int
@@ -39,6 +41,7 @@ class WorkerContext:
     grad_accum_steps: int
     event_log: str | None
     config_path: str | None
+    round: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -72,4 +75,5 @@ class WorkerContext:
             grad_accum_steps=integer(GRAD_ACCUM_STEPS, 1),
             event_log=optional(EVENT_LOG),
             config_path=optional(CONFIG),
+            round=integer(ROUND, -1) if env.get(ROUND) else None,
         )

@@ -104,21 +104,24 @@ def list_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from agent.checkpoint.dirs import list_snapshots
+    from agent.checkpoint.dirs import list_partial, list_snapshots
     from agent.checkpoint.inspect import summarize
 
-    snapshots = list_snapshots(args.dir)
+    partial = list_partial(args.dir)
+    snapshots = sorted(list_snapshots(args.dir) + partial)
     if not snapshots:
         print(f"{args.dir}: no step_<N> snapshots")
         return 0
     print(f"{'step':>8s}  {'state':11s}  {'world':>5s}  {'size':>10s}  path")
     for step, path in snapshots:
-        try:
-            summary = summarize(path)
-            state = "committed" if summary.committed else "uncommitted"
-            world, size = str(summary.world_size), _human(summary.size_bytes)
-        except TorchreviveError:
-            state, world, size = "incomplete", "-", "-"
+        state, world, size = "incomplete", "-", "-"  # a save being written, or a dead one's leftover
+        if (step, path) not in partial:
+            try:
+                summary = summarize(path)
+                state = "committed" if summary.committed else "uncommitted"
+                world, size = str(summary.world_size), _human(summary.size_bytes)
+            except TorchreviveError:
+                pass
         print(f"{step:8d}  {state:11s}  {world:>5s}  {size:>10s}  {path}")
     return 0
 

@@ -46,7 +46,7 @@ def main() -> None:
     size = int(args.size_gb * 1e9)
     with tempfile.TemporaryDirectory(prefix="torchrevive-cuda-bench-") as tmp:
         model, optim = build_state(size, seed=0)
-        Checkpointer(Path(tmp), async_save=False).save(1, {"model": model, "optim": optim})
+        Checkpointer(Path(tmp), staging=False).save(1, {"model": model, "optim": optim})
         nbytes = state_bytes(model, optim)
         host = [t for t in model.state_dict().values()] + [t for s in optim.state.values() for t in s.values()]
         pinned = [t.pin_memory() for t in host]

@@ -72,7 +72,7 @@ def write_all(root: Path, size_bytes: int) -> None:
     from agent.checkpoint import Checkpointer
 
     model, optim = build_state(size_bytes, seed=0)
-    Checkpointer(root / "ckpt", async_save=False).save(1, {"model": model, "optim": optim})
+    Checkpointer(root / "ckpt", staging=False).save(1, {"model": model, "optim": optim})
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, root / "state.pt")
     dcp.save(dcp_state(model, optim), checkpoint_id=str(root / "dcp"))
     os.sync()
@@ -245,10 +245,10 @@ def measure_save(root: Path, size_bytes: int, repeats: int) -> dict:
             torchsnapshot.Snapshot.take(str(plain), app)
         with timed("checksum_s"):
             digest_files(plain, data_files(plain))
-        sync = Checkpointer(work / "sync", async_save=False, keep=1)
+        sync = Checkpointer(work / "sync", staging=False, keep=1)
         with timed("sync_blocking_s"):
             sync.save(i + 1, app)
-        background = Checkpointer(work / "async", async_save=True, keep=1)
+        background = Checkpointer(work / "async", staging=True, keep=1)
         with timed("async_blocking_s"):
             background.save(i + 1, app)
         with timed("async_commit_wait_s"):

@@ -29,9 +29,9 @@ def weights(app: dict) -> torch.Tensor:
     return app["model"].weight.detach().clone()
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_save_commit_latest_restore(tmp_path, async_save):
-    ckpt = Checkpointer(tmp_path, interval_steps=5, keep=3, async_save=async_save)
+@pytest.mark.parametrize("staging", [False, True])
+def test_save_commit_latest_restore(tmp_path, staging):
+    ckpt = Checkpointer(tmp_path, interval_steps=5, keep=3, staging=staging)
     assert ckpt.latest() is None and ckpt.restore(state(0)) is None
     saved = state(7)
     assert not ckpt.maybe_save(3, saved) and ckpt.maybe_save(5, saved)
@@ -43,7 +43,7 @@ def test_save_commit_latest_restore(tmp_path, async_save):
 
 
 def test_retention_keeps_the_newest_committed(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    ckpt = Checkpointer(tmp_path, keep=2, staging=False)
     leftover = tmp_path / "step_1"
     leftover.mkdir(parents=True)  # an uncommitted leftover of a crashed save
     for step in (2, 3, 4, 5):
@@ -52,14 +52,14 @@ def test_retention_keeps_the_newest_committed(tmp_path):
 
 
 def test_a_committed_snapshot_is_never_overwritten(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
     ckpt.save(1, state(1))
     with pytest.raises(CheckpointError, match="step_1: a committed snapshot of step 1 exists"):
         ckpt.save(1, state(2))
 
 
 def test_damaged_latest_falls_back_to_the_previous(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
     ckpt.save(1, state(1))
     ckpt.save(2, state(2))
     data = max((p for p in (tmp_path / "step_2").rglob("*") if p.is_file() and not p.name.startswith(".")),
@@ -73,7 +73,7 @@ def test_damaged_latest_falls_back_to_the_previous(tmp_path):
 
 
 def test_no_snapshot_restores_is_an_error(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
     ckpt.save(1, state(1))
     (tmp_path / "step_1" / ".snapshot_metadata").unlink()
     with pytest.warns(UserWarning), pytest.raises(RestoreError, match="no committed snapshot restores"):
@@ -81,57 +81,73 @@ def test_no_snapshot_restores_is_an_error(tmp_path):
 
 
 KILLER = textwrap.dedent("""
-    import os, signal, sys, threading
+    import os, signal, sys
     import torch, torchsnapshot
     from torch import nn
-    import agent.checkpoint.checkpointer as checkpoint
+    import agent.checkpoint.checkpointer as checkpointer
+    import agent.checkpoint.commit as commit
+    from agent.checkpoint.write import DurableFSPlugin
     root, point = sys.argv[1], sys.argv[2]
-    if point == "mid-data":  # async saves need a process group
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
-    ckpt = checkpoint.Checkpointer(root, async_save=point == "mid-data")
+    ckpt = checkpointer.Checkpointer(root, staging=point != "sync-before-data")
     torch.manual_seed(1)
     ckpt.save(1, {"model": nn.Linear(64, 32)})
     ckpt.wait()
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-    if point == "before-data":
+    if point.endswith("before-data"):
         torchsnapshot.Snapshot.take = die
+    elif point == "mid-data":  # the second file written kills the process
+        write, written = DurableFSPlugin._write_durably, []
+        def write_then_die(self, relative, buf):
+            if written:
+                die()
+            write(self, relative, buf)
+            written.append(relative)
+        DurableFSPlugin._write_durably = write_then_die
     elif point == "before-marker":
-        checkpoint._fsync_tree = die
-    big = {"model": nn.Linear(64, 32), "big": torchsnapshot.StateDict(t=torch.randn(4096, 4096))}
-    if point == "mid-data":
-        threading.Timer(0.05, die).start()
+        commit.write_checksums = die
+    elif point == "before-rename":  # the marker is durable, the directory not yet renamed
+        commit._stale = die
+    elif point == "after-commit":
+        checkpointer.prune = die
+    big = {"model": nn.Linear(64, 32), "big": torchsnapshot.StateDict(t=torch.randn(512, 4096))}
     ckpt.save(2, big)
     ckpt.wait()
     print("not killed", flush=True)
 """)
 
 
-@pytest.mark.parametrize("point", ["before-data", "mid-data", "before-marker"])
-def test_kill_during_save_keeps_the_previous_snapshot(tmp_path, point):
+@pytest.mark.parametrize("point", ["before-data", "sync-before-data", "mid-data", "before-marker", "before-rename",
+                                   "after-commit"])
+def test_kill_during_save_keeps_the_last_committed_snapshot(tmp_path, point):
     proc = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path), point], cwd=REPO, env=worker_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
+    if point == "after-commit":  # killed after the commit: the snapshot is there, whole
+        assert ckpt.latest() == tmp_path / "step_2"
+        target = {"model": nn.Linear(64, 32), "big": torchsnapshot.StateDict(t=torch.zeros(512, 4096))}
+        assert ckpt.restore(target) == 2 and target["big"]["t"].abs().sum() > 0
+        return
     assert ckpt.latest() == tmp_path / "step_1"
-    assert not (tmp_path / "step_2" / COMMIT_MARKER).exists()
+    assert not (tmp_path / "step_2").exists()
     target = {"model": nn.Linear(64, 32)}
     assert ckpt.restore(target) == 1
     torch.manual_seed(1)
     assert torch.equal(weights(target), nn.Linear(64, 32).weight.detach())
-    # the next save of step 2 replaces the leftover and commits
+    # the next save of step 2 commits, and the dead save's leftover is gone
     ckpt.save(2, {"model": nn.Linear(64, 32)})
     assert ckpt.latest() == tmp_path / "step_2"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_1", "step_2"]
 
 
 def test_from_env_reads_the_job_config(tmp_path, monkeypatch):
     config = tmp_path / "job.yaml"
-    config.write_text(f"checkpoint: {{dir: {tmp_path / 'ck'}, interval_steps: 7, keep: 4, async_save: false}}\n"
+    config.write_text(f"checkpoint: {{dir: {tmp_path / 'ck'}, interval_steps: 7, keep: 4, staging: false}}\n"
                       "restore: {io_threads: 2}\n")
     monkeypatch.setenv("TORCHREVIVE_CONFIG", str(config))
     monkeypatch.delenv("TORCHREVIVE_CHECKPOINT_DIR", raising=False)
     ckpt = Checkpointer.from_env()
-    assert (ckpt.root, ckpt.interval_steps, ckpt.keep, ckpt.async_save) == (tmp_path / "ck", 7, 4, False)
+    assert (ckpt.root, ckpt.interval_steps, ckpt.keep, ckpt.staging) == (tmp_path / "ck", 7, 4, False)
     assert ckpt.restore_options["io_threads"] == 2
     monkeypatch.delenv("TORCHREVIVE_CONFIG")
     with pytest.raises(CheckpointError, match="set checkpoint.dir"):
@@ -144,7 +160,7 @@ def fsdp_save(rank: int, world_size: int, root: str) -> None:
     model, optim = build(seed=0)
     model(torch.randn(4, 10)).sum().backward()
     optim.step()
-    ckpt = Checkpointer(root, keep=1, async_save=True)
+    ckpt = Checkpointer(root, keep=1, staging=True)
     ckpt.save(10, {"model": model, "optim": optim})
     ckpt.wait()
     torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, f"{root}/reference-{rank}.pt")
@@ -174,7 +190,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_list_and_inspect_show_each_snapshot_and_its_state(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
     ckpt.save(3, {"model": nn.Linear(64, 32), "extra": torchsnapshot.StateDict(h=torch.zeros(10, dtype=torch.float16))})
     (tmp_path / "step_4").mkdir()  # a save that died before torchsnapshot wrote its metadata
     listing = cli("list", str(tmp_path))

@@ -50,7 +50,7 @@ def test_every_dtype_and_shape_round_trips(tmp_path, monkeypatch, batched):
                for dt in DTYPES for name, shape in SHAPES.items()}
     chunked = {f"{str(dt).removeprefix('torch.')}-chunked": random_tensor(dt, (301, 97)) for dt in DTYPES}
     with knobs.override_max_chunk_size_bytes(4096):  # several chunks per "chunked" tensor
-        Checkpointer(tmp_path, async_save=False).save(1, {"s": torchsnapshot.StateDict(**tensors, **chunked)})
+        Checkpointer(tmp_path, staging=False).save(1, {"s": torchsnapshot.StateDict(**tensors, **chunked)})
     expected = {**tensors, **chunked}
     assert (tmp_path / "step_1" / CHECKSUMS_FILE).is_file()
 
@@ -64,7 +64,7 @@ def test_every_dtype_and_shape_round_trips(tmp_path, monkeypatch, batched):
 
 
 def test_a_dtype_the_format_cannot_hold_is_refused_before_writing(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, staging=False)
     with pytest.raises(CheckpointError, match=r"'s/scale' is torch.float8_e4m3fn, which torchsnapshot cannot store"):
         ckpt.save(1, {"s": torchsnapshot.StateDict(scale=torch.zeros(4, dtype=torch.float8_e4m3fn))})
     assert not (tmp_path / "step_1").exists()
@@ -80,7 +80,7 @@ def weights(app: dict) -> torch.Tensor:
 
 
 def two_snapshots(tmp_path, verify: str = "full") -> Checkpointer:
-    ckpt = Checkpointer(tmp_path, async_save=False, verify=verify, events=EventLog(tmp_path / "events.jsonl"))
+    ckpt = Checkpointer(tmp_path, staging=False, verify=verify, events=EventLog(tmp_path / "events.jsonl"))
     ckpt.save(1, model_state(1))
     ckpt.save(2, model_state(2))
     return ckpt
@@ -188,7 +188,7 @@ FULL_DISK_SCRIPT = textwrap.dedent("""
     from torch import nn
     from agent.checkpoint import Checkpointer, CheckpointError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-    ckpt = Checkpointer(sys.argv[1], async_save=False)
+    ckpt = Checkpointer(sys.argv[1], staging=False)
     torch.manual_seed(1)
     ckpt.save(1, {"model": nn.Linear(64, 64)})
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file may grow past 1 MiB
@@ -206,7 +206,7 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_snapshot(tmp_path):
     assert "ERROR" in done.stdout and "step_2: saving step 2 failed (" in done.stdout
     assert "File too large" in done.stdout and f"{tmp_path}/step_1 stays the latest committed one" in done.stdout
     assert not (tmp_path / "step_2").exists()
-    ckpt = Checkpointer(tmp_path, async_save=False, verify="full")
+    ckpt = Checkpointer(tmp_path, staging=False, verify="full")
     torch.manual_seed(1)
     reference = nn.Linear(64, 64)
     target = {"model": nn.Linear(64, 64)}
@@ -215,7 +215,7 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_snapshot(tmp_path):
 
 def test_events_record_saves_restores_and_the_first_step(tmp_path):
     log = tmp_path / "events.jsonl"
-    ckpt = Checkpointer(tmp_path / "ckpt", interval_steps=2, async_save=False, events=EventLog(log, node="n0"))
+    ckpt = Checkpointer(tmp_path / "ckpt", interval_steps=2, staging=False, events=EventLog(log, node="n0"))
     app = model_state(1)
     ckpt.maybe_save(2, app)
     assert ckpt.restore(model_state(0)) == 2

@@ -79,11 +79,16 @@ def data_files(root: Path, *, skip: Iterable[str] = ()) -> list[str]:
 
 def digest_file(path: Path, block_bytes: int = BLOCK_BYTES) -> FileDigest:
     """Hash a file block by block (mmap'ed: no copy through Python buffers)."""
-    size = path.stat().st_size
-    if size == 0:
+    if path.stat().st_size == 0:
         return FileDigest(0, ())
     with _mapped(path) as view:
-        return FileDigest(size, tuple(_digest(view, lo, min(lo + block_bytes, size)) for lo in range(0, size, block_bytes)))
+        return digest_buffer(view, block_bytes)
+
+
+def digest_buffer(view: memoryview, block_bytes: int = BLOCK_BYTES) -> FileDigest:
+    """The digest of a file's bytes held in memory (the writer's buffer, or a mapping)."""
+    size = len(view)
+    return FileDigest(size, tuple(_digest(view, lo, min(lo + block_bytes, size)) for lo in range(0, size, block_bytes)))
 
 
 def digest_files(root: Path, relatives: Iterable[str], *, threads: int = 4) -> dict[str, FileDigest]:

@@ -12,16 +12,19 @@ stay readable by torchsnapshot itself; only the faulty serialization helpers are
 * an empty DTensor or ShardedTensor shard (an uneven FSDP2 split leaves some ranks nothing):
   ``subdivide_shard`` divides by zero. Fixed by storing no chunk for an empty shard.
 
-:func:`install` is called by the Checkpointer before it saves; it is idempotent.
+:func:`install` is called by the Checkpointer before it saves; it is idempotent. The other uses
+of torchsnapshot's private helpers sit here too, checked against the same pinned version.
 """
 
 from __future__ import annotations
 
 import math
 from importlib import metadata
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torchsnapshot
 from torchsnapshot import batcher, serialization
 from torchsnapshot.io_preparers import sharded_tensor
 from torchsnapshot.io_preparers import tensor as tensor_preparer
@@ -80,3 +83,9 @@ def _replace(module: Any, name: str, replacement: Any) -> None:
     if not hasattr(module, name):
         raise RuntimeError(f"{module.__name__}.{name} is gone: torchrevive's torchsnapshot fixes need updating")
     setattr(module, name, replacement)
+
+
+def replicated_patterns(app_state: Mapping[str, Any]) -> list[str]:
+    """The ``replicated`` globs torchsnapshot infers from ``app_state`` (DDP modules' state),
+    computed from the live objects: the staged copies the writer gets are no DDP modules."""
+    return torchsnapshot.Snapshot._infer_replicated([], dict(app_state))

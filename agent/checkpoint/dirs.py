@@ -1,17 +1,32 @@
-"""The checkpoint directory's layout: one ``step_<N>`` directory per snapshot, committed once its
-marker file exists. Light on purpose: the agent reads the layout without loading torchsnapshot."""
+"""The checkpoint directory's layout. Light on purpose: the agent reads it without torchsnapshot.
+
+* ``step_<N>``: a snapshot, committed once its marker file exists. A save writes into its own
+  ``step_<N>.r<round>.partial`` directory and renames it to ``step_<N>`` once committed, so a
+  ``step_<N>`` never holds a half-written save;
+* ``.torchrevive_round``: the fencing token, the newest rendezvous round of the job, written by
+  each round's leader agent before its workers start. A save of an older round (the workers of a
+  node frozen and thawed after the others moved on) is refused at its commit.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 COMMIT_MARKER = ".torchrevive_commit"
+FENCE_FILE = ".torchrevive_round"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step_(\d+)\.r(\d+|-)\.partial$")
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
     return root / f"step_{step}"
+
+
+def partial_dir(root: Path, step: int, round: int | None) -> Path:
+    """Where a save of ``step`` by round ``round`` (None outside an agent) is written."""
+    return root / f"step_{step}.r{'-' if round is None else round}.partial"
 
 
 def is_committed(path: Path) -> bool:
@@ -27,11 +42,36 @@ def step_of(path: Path) -> int | None:
 
 def list_snapshots(root: Path) -> list[tuple[int, Path]]:
     """Every ``step_<N>`` directory under ``root``, committed or not, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir())
+    return _matching(root, _STEP_DIR)
+
+
+def list_partial(root: Path) -> list[tuple[int, Path]]:
+    """Every save still being written, or left behind by a dead one, oldest step first."""
+    return _matching(root, _PARTIAL_DIR)
 
 
 def committed_snapshots(root: Path) -> list[tuple[int, Path]]:
     """The committed ``step_<N>`` snapshots under ``root``, oldest first."""
     return [(step, p) for step, p in list_snapshots(root) if is_committed(p)]
+
+
+def write_fence(root: Path, round: int) -> None:
+    """Record ``round`` as the job's newest (atomically: a temporary file renamed into place)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{FENCE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(str(round))
+    os.replace(tmp, root / FENCE_FILE)
+
+
+def fenced_round(root: Path) -> int | None:
+    """The job's newest round, as its leader recorded it (None when no agent recorded one)."""
+    try:
+        return int((root / FENCE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _matching(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir())

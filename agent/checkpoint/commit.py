@@ -1,0 +1,79 @@
+"""Commit: once every rank's files are durable, rank 0 writes the checksum record and the commit
+marker into the save's own directory and renames it to ``step_<N>``; the snapshot is committed
+the moment that rename is durable.
+
+Every rank brings only what it wrote (digests computed from its write buffers), so the work is
+proportional to a rank's own bytes: no rank lists the directory, re-reads a file, or opens one
+that another rank wrote. Two collectives on the save's process group: the gather of every rank's
+outcome, and rank 0's verdict. Every rank returns the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from agent.checkpoint.checksums import write_checksums
+from agent.checkpoint.collectives import from_rank0, gather, rank
+from agent.checkpoint.dirs import COMMIT_MARKER, fenced_round
+from agent.checkpoint.write import WriteRecord, fsync_dir
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One save to commit: its step, where it was written, where it goes, and its round."""
+
+    step: int
+    written: Path
+    final: Path
+    round: int | None
+
+
+def commit(save: Commit, record: WriteRecord, group: dist.ProcessGroup | None) -> str | None:
+    """Commit ``save`` on every rank of ``group``; None when committed, else the error (the
+    written directory is then removed, and the previous snapshot stays the latest)."""
+    outcomes = gather((record.error, record.files), group)
+    error = next((e for e, _ in outcomes if e), None)
+    if rank(group) == 0:
+        if error is None:
+            error = _commit_on_rank0(save, {name: d for _, files in outcomes for name, d in files.items()},
+                                     world_size=len(outcomes))
+        if error is not None:
+            shutil.rmtree(save.written, ignore_errors=True)
+    return from_rank0(error, group)
+
+
+def _commit_on_rank0(save: Commit, files: dict[str, Any], *, world_size: int) -> str | None:
+    try:
+        write_checksums(save.written, files)
+        marker = {"step": save.step, "world_size": world_size, "round": save.round, "committed_at": time.time()}
+        tmp = save.written / (COMMIT_MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, save.written / COMMIT_MARKER)
+        fsync_dir(save.written)
+        if (stale := _stale(save)) is not None:
+            return stale
+        os.rename(save.written, save.final)  # refused (ENOTEMPTY) over an existing snapshot
+        fsync_dir(save.final.parent)
+    except OSError as exc:
+        return f"committing {save.written}: {exc}"
+    return None
+
+
+def _stale(save: Commit) -> str | None:
+    """Why this save's round may not commit (a newer round exists), else None."""
+    newest = fenced_round(save.final.parent)
+    if save.round is None or newest is None or newest <= save.round:
+        return None
+    return (f"round {save.round} is stale (the job is in round {newest}): its save of step {save.step} is not "
+            "committed")

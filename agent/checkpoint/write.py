@@ -1,0 +1,128 @@
+"""Write: torchsnapshot writes the (staged) state through a storage plugin of ours that makes
+each file durable and checksums it from the bytes in memory as it writes them.
+
+The plugin is registered under the ``torchrevive`` protocol (torchsnapshot's ``storage_plugins``
+entry point), so torchsnapshot itself decides what goes where and the format stays its own. Each
+rank learns from its own writes exactly which files it wrote, their sizes and block digests: the
+commit never lists the directory, re-reads a file, or touches another rank's files.
+
+A failed write (a full disk, say) is recorded, not raised: the rank goes on through
+torchsnapshot's collectives with the others, and the commit, where every rank's outcome is
+gathered, fails the save on every rank at once instead of leaving the others in a barrier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torchsnapshot
+from torchsnapshot.io_types import ReadIO, StoragePlugin, WriteIO
+from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+
+from agent.checkpoint.checksums import FileDigest, digest_buffer
+
+PROTOCOL = "torchrevive"
+_RECORD_OPTION = "torchrevive_record"
+
+
+@dataclass
+class WriteRecord:
+    """What one rank wrote: relative path -> digest, and the first error, if any."""
+
+    files: dict[str, FileDigest] = field(default_factory=dict)
+    error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, relative: str, digest: FileDigest) -> None:
+        with self._lock:
+            self.files[relative] = digest
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self.error = self.error or message
+
+
+class DurableFSPlugin(StoragePlugin):
+    """torchsnapshot's file-system plugin, but each file is fsync'ed, its directory too, and its
+    block digests recorded; errors go to the record (see the module doc)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        options = storage_options or {}
+        self.root = root
+        self.record: WriteRecord = options.get(_RECORD_OPTION) or WriteRecord()
+        self._reader = FSStoragePlugin(root)
+        self._dirs_made: set[str] = set()
+
+    async def write(self, write_io: WriteIO) -> None:
+        if self.record.error is not None:
+            return  # this save has failed already: write nothing more
+        try:
+            await asyncio.to_thread(self._write_durably, write_io.path, write_io.buf)
+        except OSError as exc:
+            self.record.fail(f"writing {os.path.join(self.root, write_io.path)}: {exc}")
+
+    def _write_durably(self, relative: str, buf: Any) -> None:
+        path = os.path.join(self.root, relative)
+        directory = os.path.dirname(path)
+        if directory not in self._dirs_made:
+            os.makedirs(directory, exist_ok=True)
+            self._dirs_made.add(directory)
+        view = memoryview(buf).cast("B")
+        digest = digest_buffer(view)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.record.add(relative, digest)
+
+    async def read(self, read_io: ReadIO) -> None:
+        await self._reader.read(read_io)
+
+    async def delete(self, path: str) -> None:
+        await self._reader.delete(path)
+
+    async def delete_dir(self, path: str) -> None:
+        await self._reader.delete_dir(path)
+
+    async def close(self) -> None:
+        """Make the directories durable (their entries for the new files)."""
+        for directory in sorted(self._dirs_made, key=len, reverse=True):
+            fsync_dir(Path(directory))
+
+
+def storage_plugin(path: str, storage_options: dict[str, Any] | None = None) -> DurableFSPlugin:
+    """The ``storage_plugins`` entry point: torchsnapshot calls it for ``torchrevive://`` paths."""
+    return DurableFSPlugin(path, storage_options)
+
+
+def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[str],
+                   group: dist.ProcessGroup | None) -> WriteRecord:
+    """torchsnapshot writes ``app_state`` into ``path`` over ``group``; what this rank wrote.
+
+    Every rank of ``group`` calls this together. Errors in the files are in the record; anything
+    else torchsnapshot raises is recorded too, so that the commit's collective still runs."""
+    record = WriteRecord()
+    try:
+        torchsnapshot.Snapshot.take(f"{PROTOCOL}://{path}", app_state, pg=group, replicated=replicated,
+                                    storage_options={_RECORD_OPTION: record})
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by the commit
+        record.fail(f"torchsnapshot failed writing {path}: {type(exc).__name__}: {exc}")
+    return record
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
