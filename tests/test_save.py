@@ -5,12 +5,12 @@ failure on one rank only raised on every rank, on real gloo process groups."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -241,3 +241,29 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(tmp_path, staging)
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step_1", "step_3"]
     marker = json.loads((tmp_path / "step_3" / ".torchrevive_commit").read_text())
     assert marker["world_size"] == 3
+
+
+def test_on_busy_skip_skips_a_save_while_the_previous_one_is_written(tmp_path, monkeypatch):
+    import agent.checkpoint.checkpointer as checkpointer
+
+    release = threading.Event()
+    write = checkpointer.write_snapshot
+
+    def held_write(*args, **kwargs):  # the writer holds until the test lets it go
+        release.wait(timeout=60)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "write_snapshot", held_write)
+    log = tmp_path / "events.jsonl"
+    ckpt = Checkpointer(tmp_path / "ckpt", on_busy="skip", events=EventLog(log))
+    app = model_state(1)
+    assert ckpt.save(1, app)
+    with pytest.warns(UserWarning, match="skipping the save of step 2: step 1 is still being written"):
+        assert not ckpt.save(2, app)
+    release.set()
+    ckpt.wait()
+    assert ckpt.latest() == tmp_path / "ckpt" / "step_1" and not (tmp_path / "ckpt" / "step_2").exists()
+    assert [e for e in read_events(log) if e["event"] == "save_skipped"][0]["busy_with"] == 1
+    assert ckpt.save(3, app)  # nothing in flight: saves again
+    ckpt.wait()
+    assert ckpt.latest() == tmp_path / "ckpt" / "step_3"

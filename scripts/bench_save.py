@@ -1,0 +1,173 @@
+"""Save benchmark: how long one save blocks the training thread, and how long until the snapshot is
+done, for torchrevive's staged save and its peers, on the same model + Adam state as
+bench_restore.py, each method in its own process (a one-rank gloo group: the asynchronous peers
+need one), the methods interleaved in a rotating order, median over the rounds.
+
+    python scripts/bench_save.py --size-gb 2 --json out.json
+
+Writes {"size_bytes", "results": {M: {"blocking_s", "durable_s", "first_blocking_s", ...}}, ...}
+for M in torchrevive, torchsnapshot_take, torchsnapshot_async_take, dcp_save, dcp_async_save.
+``blocking_s``: the training thread is blocked by one save in steady state (a save after the
+first one in the same process, as training sees it every interval) until it may change the state
+again; ``first_blocking_s``: the same for the first save (staging buffers are allocated then).
+``durable_s``: from the call until the method reports the snapshot done. Only torchrevive's
+"done" means committed and fsync'ed; the peers' files may still sit in the page cache
+(``fsyncs`` says which do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from bench_restore import build_state, dcp_state, machine, state_bytes
+
+METHODS = ["torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"]
+FSYNCS = {"torchrevive": True, "torchsnapshot_take": False, "torchsnapshot_async_take": False, "dcp_save": False,
+          "dcp_async_save": False}
+
+Save = Callable[[int], Callable[[], None]]
+"""Starts save number i; returns once the caller may change the state again, with a function
+that waits until the save is done."""
+
+
+def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
+    """The save of ``method`` into ``root``, as a user of that method writes it."""
+    import torch.distributed.checkpoint as dcp
+    import torchsnapshot
+
+    from agent.checkpoint import Checkpointer
+
+    app = {"model": model, "optim": optim}
+    if method == "torchrevive":
+        ckpt = Checkpointer(root / "ckpt", keep=1)
+
+        def save(i: int) -> Callable[[], None]:
+            ckpt.save(i, app)
+            return ckpt.wait
+        return save
+    if method == "torchsnapshot_take":
+        return lambda i: (torchsnapshot.Snapshot.take(str(root / f"step_{i}"), app), lambda: None)[1]
+    if method == "torchsnapshot_async_take":
+        return lambda i: torchsnapshot.Snapshot.async_take(str(root / f"step_{i}"), app).wait
+    if method == "dcp_save":
+        return lambda i: (dcp.save(dcp_state(model, optim), checkpoint_id=str(root / f"step_{i}")), lambda: None)[1]
+    if method == "dcp_async_save":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # DCP's own staging, reused across saves; pinned memory and non-blocking copies need CUDA.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                             use_non_blocking_copy=False))
+
+        def save_dcp(i: int) -> Callable[[], None]:
+            response = dcp.async_save(dcp_state(model, optim), checkpoint_id=str(root / f"step_{i}"),
+                                      async_stager=stager)
+            response.staging_completion.result()  # the state may change only once it is staged
+            return response.upload_completion.result
+        return save_dcp
+    raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
+
+
+def measure(method: str, root: Path, size_bytes: int, saves: int, device: str) -> dict:
+    """In this (child) process: one first save, then ``saves`` more, each timed."""
+    dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+    model, optim = build_state(size_bytes, seed=1)
+    if device != "cpu":  # the state lives on the accelerator: saving includes the device-to-host copy
+        model.to(device)
+        for state in optim.state.values():
+            state.update({k: v.to(device) for k, v in state.items()})
+    save = saver(method, root, model, optim)
+    blocking, durable = [], []
+    for i in range(saves + 1):
+        started = time.perf_counter()
+        wait = save(i + 1)
+        blocking.append(time.perf_counter() - started)
+        wait()
+        durable.append(time.perf_counter() - started)
+        if method != "torchrevive":  # torchrevive's retention removes the previous snapshot itself
+            shutil.rmtree(root / f"step_{i}", ignore_errors=True)
+    return {"state_bytes": state_bytes(model, optim), "first_blocking_s": blocking[0], "first_durable_s": durable[0],
+            "blocking_s": statistics.median(blocking[1:]), "durable_s": statistics.median(durable[1:])}
+
+
+def run_child(args: argparse.Namespace, method: str, root: Path) -> dict:
+    root.mkdir(parents=True)
+    try:
+        out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--saves", str(args.saves),
+                              "--device", args.device, "--child", method, str(root)],
+                             capture_output=True, text=True, check=True)
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"{method} failed:\n{exc.stderr[-4000:]}") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict], fsyncs: bool) -> dict:
+    result: dict[str, Any] = {"fsyncs": fsyncs}
+    for key in ("blocking_s", "durable_s", "first_blocking_s", "first_durable_s"):
+        values = [r[key] for r in runs]
+        result[key] = statistics.median(values)
+        result[f"{key}_range"] = [min(values), max(values)]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the methods (processes per method)")
+    parser.add_argument("--saves", type=int, default=2, help="steady-state saves per process, after the first")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the local disk)")
+    parser.add_argument("--device", default="cpu", help="where the state lives (cuda: pinned staging)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size_bytes = int(args.size_gb * 1e9)
+    if args.child:
+        print(json.dumps(measure(args.child[0], Path(args.child[1]), size_bytes, args.saves, args.device)))
+        return
+    methods = args.methods.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="torchrevive-bench-save-") as tmp:
+        for round_ in range(args.repeats):
+            for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
+                run = run_child(args, method, Path(tmp) / f"{method}-{round_}")
+                runs[method].append(run)
+                print(f"round {round_}  {method:26s} blocking {run['blocking_s']:6.3f} s (first "
+                      f"{run['first_blocking_s']:6.3f})   done {run['durable_s']:6.3f} s", flush=True)
+    size = runs[methods[0]][0]["state_bytes"]
+    results = {m: summarize(r, FSYNCS[m]) for m, r in runs.items()}
+    report: dict[str, Any] = {"size_bytes": size, "machine": machine(), "device": args.device,
+                              "repeats": args.repeats, "saves": args.saves,
+                              "date": time.strftime("%Y-%m-%d"), "results": results}
+    if "torchrevive" in results:
+        ours = results["torchrevive"]
+        report["torchrevive_blocking_s_per_gb"] = ours["blocking_s"] / (size / 1e9)
+        report["ratios"] = {f"torchrevive_blocking_vs_{m}": ours["blocking_s"] / r["blocking_s"]
+                            for m, r in results.items() if m != "torchrevive"}
+        report["ratios"].update({f"torchrevive_durable_vs_{m}": ours["durable_s"] / r["durable_s"]
+                                 for m, r in results.items() if m != "torchrevive"})
+    print(f"\n{'method':26s} {'blocking s':>10s} {'first s':>8s} {'done s':>8s}  fsync   ({size / 1e9:.2f} GB, "
+          f"median of {args.repeats})")
+    for method, r in results.items():
+        print(f"{method:26s} {r['blocking_s']:10.3f} {r['first_blocking_s']:8.3f} {r['durable_s']:8.3f}  "
+              f"{'yes' if r['fsyncs'] else 'no'}")
+    for name, ratio in report.get("ratios", {}).items():
+        print(f"{name:45s} {ratio:6.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

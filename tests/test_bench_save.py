@@ -1,0 +1,27 @@
+"""The save benchmark's short form: every method runs, and the JSON keeps its contract. Speed is
+measured by the script itself (scripts/bench_save.py), never here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, worker_env
+
+METHODS = {"torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"}
+
+
+def test_bench_save_writes_its_contract(tmp_path):
+    out = tmp_path / "save.json"
+    done = subprocess.run([sys.executable, "scripts/bench_save.py", "--size-gb", "0.2", "--repeats", "1", "--saves", "1",
+                           "--dir", str(tmp_path), "--json", str(out)],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["size_bytes"] > 0.1e9 and set(report["results"]) == METHODS
+    for method, result in report["results"].items():
+        assert 0 < result["blocking_s"] <= result["durable_s"], (method, result)
+        assert result["first_blocking_s"] > 0
+    assert report["results"]["torchrevive"]["fsyncs"] is True
+    assert report["torchrevive_blocking_s_per_gb"] > 0
