@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchsnapshot.flatten import flatten, inflate
 from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
 from torchsnapshot.manifest_utils import is_container_entry
+from torchsnapshot.rng_state import RNGState
 
 from agent.checkpoint.checksums import block_checks, load_checksums, sample
 from agent.errors import RestoreError
@@ -107,6 +108,9 @@ def restore(
     ``app_state`` holds state dicts or Statefuls as for ``dcp.load``; its metadata and byte items
     load as data unless ``trust_pickles``, and the checksum and stripe options do not apply.
 
+    Statefuls load as with torchsnapshot: by key, an ``RNGState`` last; in a stateful other than a
+    module or an optimizer, a tensor of another shape or dtype than stored is replaced.
+
     Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
     RestoreError naming the file and key. All of that is checked before the first byte is
     copied, so after such an error the destination is untouched. An I/O failure during the copy
@@ -141,7 +145,7 @@ def restore(
     finally:
         files.close()
     exchanged = _exchange_stripes(plan.striped, world_size)
-    for stateful in statefuls:
+    for stateful in sorted(statefuls, key=_load_order):
         state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
         if isinstance(stateful.obj, torch.nn.Module):
             stateful.obj.load_state_dict(state_dict, strict=strict)
@@ -212,7 +216,7 @@ def _plan_stateful(
         elif isinstance(entry, TENSOR_ENTRY_TYPES):
             stored = stored_tensor(entry)
             value = flattened.get(logical_path)
-            if not is_tensor_value(value):
+            if not is_tensor_value(value) or _replaced(obj, value, stored):
                 value = allocate(stored, template_for(logical_path, templates))
             stateful.values[logical_path] = value
             _plan_tensor(logical_path, stored, destination_of(value), files, plan,
@@ -226,6 +230,22 @@ def _plan_stateful(
             raise RestoreError(f"{files.path('')}: '{logical_path}' has an entry of type {entry.type!r} that this "
                                "version of torchrevive cannot restore")
     return stateful
+
+
+def _load_order(stateful: _Stateful) -> tuple[bool, str]:
+    """torchsnapshot's order: by key, and an RNGState last, so that a ``load_state_dict`` that draws
+    random numbers cannot move the generator away from the state restored."""
+    return isinstance(stateful.obj, RNGState), stateful.key
+
+
+def _replaced(obj: Any, value: Any, stored: StoredTensor) -> bool:
+    """Whether a plain destination tensor of another shape or dtype gets a new tensor as stored,
+    as torchsnapshot does: in any stateful but a module or an optimizer (whose state of another
+    shape or dtype is another model's, a RestoreError)."""
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    dest = destination_of(value)
+    return dest.is_plain and (dest.shape, dest.dtype) != (stored.shape, stored.dtype)
 
 
 def _plan_tensor(
