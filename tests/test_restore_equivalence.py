@@ -177,3 +177,56 @@ def test_state_of_another_model(snapshot):
         agent.restore(snapshot, bigger)
     with pytest.raises(RestoreError, match=r"app_state key 'sched' is not in the snapshot \(it holds \['extra', 'model', 'optim'\]\)"):
         agent.restore(snapshot, {"sched": torchsnapshot.StateDict(x=1)})
+
+
+class Drawing:
+    """A stateful whose ``load_state_dict`` draws random numbers (as a sampler reshuffling does)."""
+
+    def __init__(self, log: list[str] | None = None, name: str = "") -> None:
+        self.value, self.log, self.name = 0, log if log is not None else [], name
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+        self.log.append(self.name)
+        torch.rand(3)
+
+
+def both_restores(snapshot: Path) -> list:
+    """torchsnapshot's own restore, then ours."""
+    return [lambda app: torchsnapshot.Snapshot(str(snapshot)).restore(app), lambda app: agent.restore(snapshot, app)]
+
+
+def test_rng_state_is_restored_last_as_torchsnapshot_does(tmp_path):
+    torch.manual_seed(5)
+    torchsnapshot.Snapshot.take(str(tmp_path / "s"), {"a": Drawing(), "rng": torchsnapshot.RNGState(), "z": Drawing()})
+    after_save = torch.rand(4)
+    streams = []
+    for restore in both_restores(tmp_path / "s"):
+        torch.manual_seed(99)
+        restore({"a": Drawing(), "rng": torchsnapshot.RNGState(), "z": Drawing()})
+        streams.append(torch.rand(4))
+    assert torch.equal(streams[0], after_save) and torch.equal(streams[1], after_save)
+
+
+def test_statefuls_load_in_torchsnapshot_order(tmp_path):
+    torchsnapshot.Snapshot.take(str(tmp_path / "s"), {"c": Drawing(), "a": Drawing(), "b": Drawing()})
+    orders = []
+    for restore in both_restores(tmp_path / "s"):
+        log: list[str] = []
+        restore({name: Drawing(log, name) for name in "cab"})
+        orders.append(log)
+    assert orders == [["a", "b", "c"], ["a", "b", "c"]]
+
+
+def test_a_placeholder_of_another_shape_gets_the_stored_tensor_outside_modules(tmp_path):
+    torchsnapshot.Snapshot.take(str(tmp_path / "s"), {"log": torchsnapshot.StateDict(losses=torch.arange(5.0))})
+    restored = []
+    for restore in both_restores(tmp_path / "s"):
+        log = torchsnapshot.StateDict(losses=torch.zeros(2, dtype=torch.float64))  # e.g. a shorter history
+        restore({"log": log})
+        restored.append(log["losses"])
+    assert_identical(restored[1], restored[0])
+    assert_identical(restored[1], torch.arange(5.0))

@@ -22,6 +22,7 @@ from pathlib import Path
 import xxhash
 
 from agent.errors import RestoreError
+from agent.restore.locations import check_locations
 
 CHECKSUMS_FILE = ".torchrevive_checksums.json"
 ALGORITHM = "xxh3_64"
@@ -125,6 +126,7 @@ def load_checksums(root: Path) -> Checksums | None:
     if record.get("algorithm") != ALGORITHM:
         raise ChecksumError(f"{path}: checksums use {record.get('algorithm')!r}; this torchrevive reads {ALGORITHM}")
     files = {name: FileDigest(int(d["size"]), tuple(d["blocks"])) for name, d in record["files"].items()}
+    check_locations(root, dict.fromkeys(files, "files"), named_in=path)
     return Checksums(int(record["block_bytes"]), files)
 
 

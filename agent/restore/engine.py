@@ -3,8 +3,6 @@ state to each stateful's ``load_state_dict``."""
 
 from __future__ import annotations
 
-import io
-import pickle
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +14,7 @@ import torch.distributed as dist
 from torchsnapshot.flatten import flatten, inflate
 from torchsnapshot.manifest import Entry, ObjectEntry, PrimitiveEntry
 from torchsnapshot.manifest_utils import is_container_entry
+from torchsnapshot.rng_state import RNGState
 
 from agent.checkpoint.checksums import block_checks, load_checksums, sample
 from agent.errors import RestoreError
@@ -29,6 +28,7 @@ from agent.restore.manifest import (
     manifest_for_rank,
     stored_tensor,
 )
+from agent.restore.pickles import load_object
 from agent.restore.plan import CopyOp, CoverageError, plan_copies, stripe
 from agent.restore.reader import SnapshotFiles, byte_span, default_io_threads, read_ops
 from agent.restore.targets import (
@@ -105,8 +105,11 @@ def restore(
     checks run beside the copies (in the same pool, so a cold block is read from storage once).
 
     A DCP checkpoint is planned by DCP itself (``dcp.load`` with :class:`FastStorageReader`):
-    ``app_state`` holds state dicts or Statefuls as for ``dcp.load``, and the checksum, stripe and
-    pickle options do not apply (DCP loads its bytes items with its own planner).
+    ``app_state`` holds state dicts or Statefuls as for ``dcp.load``; its metadata and byte items
+    load as data unless ``trust_pickles``, and the checksum and stripe options do not apply.
+
+    Statefuls load as with torchsnapshot: by key, an ``RNGState`` last; in a stateful other than a
+    module or an optimizer, a tensor of another shape or dtype than stored is replaced.
 
     Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
     RestoreError naming the file and key. All of that is checked before the first byte is
@@ -117,7 +120,7 @@ def restore(
     started = time.perf_counter()
     root = Path(path)
     if is_dcp_checkpoint(root) and not (root / METADATA_FILE).exists():
-        return _restore_dcp(root, app_state, io_threads=io_threads, started=started)
+        return _restore_dcp(root, app_state, io_threads=io_threads, trust_pickles=trust_pickles, started=started)
     metadata = load_metadata(root)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     manifest = manifest_for_rank(metadata, rank)
@@ -127,7 +130,7 @@ def restore(
     try:
         statefuls = [
             _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
-                           trust_pickles=trust_pickles, strict=strict)
+                           strict=strict)
             for key, obj in app_state.items()
         ]
         checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
@@ -142,7 +145,7 @@ def restore(
     finally:
         files.close()
     exchanged = _exchange_stripes(plan.striped, world_size)
-    for stateful in statefuls:
+    for stateful in sorted(statefuls, key=_load_order):
         state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
         if isinstance(stateful.obj, torch.nn.Module):
             stateful.obj.load_state_dict(state_dict, strict=strict)
@@ -151,15 +154,20 @@ def restore(
     return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged, verified)
 
 
-def _restore_dcp(root: Path, app_state: Mapping[str, Any], *, io_threads: int | None, started: float) -> RestoreStats:
+def _restore_dcp(root: Path, app_state: Mapping[str, Any], *, io_threads: int | None, trust_pickles: bool,
+                 started: float) -> RestoreStats:
     """A DCP checkpoint: DCP's own planning (resharding included) with the fast reader."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = FastStorageReader(root, io_threads=io_threads)
+    reader = FastStorageReader(root, io_threads=io_threads, trust_pickles=trust_pickles)
+    reader.read_metadata()  # a refused or damaged metadata file raises here, not inside dcp.load's own error
     try:
-        dcp.load(dict(app_state), storage_reader=reader)
-    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        dcp.load(app_state if isinstance(app_state, dict) else dict(app_state), storage_reader=reader)
+    except CheckpointException as exc:  # each rank's exception, wrapped: the first of ours says it best
+        ours = next((failure for failure, _ in exc.failures.values() if isinstance(failure, RestoreError)), None)
+        raise (ours or RestoreError(f"{root}: DCP load failed: {exc}")) from exc
+    except (RuntimeError, ValueError, KeyError) as exc:
         raise RestoreError(f"{root}: DCP load failed: {exc}") from exc
     return RestoreStats(str(root), reader.bytes_read, time.perf_counter() - started, reader.tensors_read)
 
@@ -187,7 +195,7 @@ def _block_checks(root: Path, plan: _Plan, mode: str) -> tuple[list, int]:
 
 def _plan_stateful(
     key: str, obj: Any, manifest: dict[str, Entry], files: SnapshotFiles, plan: _Plan, *,
-    striping: bool, rank: int, world_size: int, trust_pickles: bool, strict: bool,
+    striping: bool, rank: int, world_size: int, strict: bool,
 ) -> _Stateful:
     container_manifest, flattened = flatten(obj.state_dict(), prefix=key)
     prefix = next((p for p in container_manifest if "/" not in p), key)
@@ -208,7 +216,7 @@ def _plan_stateful(
         elif isinstance(entry, TENSOR_ENTRY_TYPES):
             stored = stored_tensor(entry)
             value = flattened.get(logical_path)
-            if not is_tensor_value(value):
+            if not is_tensor_value(value) or _replaced(obj, value, stored):
                 value = allocate(stored, template_for(logical_path, templates))
             stateful.values[logical_path] = value
             _plan_tensor(logical_path, stored, destination_of(value), files, plan,
@@ -222,6 +230,22 @@ def _plan_stateful(
             raise RestoreError(f"{files.path('')}: '{logical_path}' has an entry of type {entry.type!r} that this "
                                "version of torchrevive cannot restore")
     return stateful
+
+
+def _load_order(stateful: _Stateful) -> tuple[bool, str]:
+    """torchsnapshot's order: by key, and an RNGState last, so that a ``load_state_dict`` that draws
+    random numbers cannot move the generator away from the state restored."""
+    return isinstance(stateful.obj, RNGState), stateful.key
+
+
+def _replaced(obj: Any, value: Any, stored: StoredTensor) -> bool:
+    """Whether a plain destination tensor of another shape or dtype gets a new tensor as stored,
+    as torchsnapshot does: in any stateful but a module or an optimizer (whose state of another
+    shape or dtype is another model's, a RestoreError)."""
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    dest = destination_of(value)
+    return dest.is_plain and (dest.shape, dest.dtype) != (stored.shape, stored.dtype)
 
 
 def _plan_tensor(
@@ -278,17 +302,7 @@ def _load_object(logical_path: str, entry: ObjectEntry, files: SnapshotFiles, tr
         payload = path.read_bytes()
     except FileNotFoundError:
         raise RestoreError(f"{path}: missing, needed by '{logical_path}'; the snapshot is damaged: restore another one") from None
-    try:
-        return torch.load(io.BytesIO(payload), weights_only=not trust_pickles, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        if trust_pickles:
-            raise RestoreError(f"{path}: '{logical_path}' cannot be unpickled ({exc}); the snapshot is damaged") from exc
-        raise RestoreError(
-            f"{path}: '{logical_path}' is a pickled {entry.obj_type} that safe loading refuses (unpickling runs "
-            "code); if you trust this snapshot, pass trust_pickles=True (restore.trust_pickles: true)"
-        ) from exc
-    except (EOFError, RuntimeError) as exc:
-        raise RestoreError(f"{path}: '{logical_path}' is damaged ({exc}); restore another snapshot") from exc
+    return load_object(payload, where=path, key=logical_path, kind=entry.obj_type, trust_pickles=trust_pickles)
 
 
 def _exchange_stripes(tensors: list[torch.Tensor], world_size: int) -> int:

@@ -23,6 +23,7 @@ from torchsnapshot.manifest_utils import is_fully_replicated_entry
 from torchsnapshot.serialization import Serializer, string_to_dtype
 
 from agent.errors import RestoreError
+from agent.restore.locations import check_locations
 
 METADATA_FILE = ".snapshot_metadata"
 TENSOR_ENTRY_TYPES = (TensorEntry, ChunkedTensorEntry, DTensorEntry, ShardedTensorEntry)
@@ -61,7 +62,8 @@ class StoredTensor:
 
 
 def load_metadata(snapshot: Path) -> SnapshotMetadata:
-    """Read and parse ``<snapshot>/.snapshot_metadata``."""
+    """Read and parse ``<snapshot>/.snapshot_metadata``; every file it names must lie inside
+    ``snapshot`` (see :mod:`agent.restore.locations`)."""
     path = snapshot / METADATA_FILE
     try:
         text = path.read_text()
@@ -69,9 +71,12 @@ def load_metadata(snapshot: Path) -> SnapshotMetadata:
         hint = "the directory does not exist" if not snapshot.exists() else "the snapshot is incomplete or not a snapshot"
         raise RestoreError(f"{path}: missing ({hint}); restore another snapshot") from None
     try:
-        return SnapshotMetadata.from_yaml(text)
+        metadata = SnapshotMetadata.from_yaml(text)
+        stored_in = holders(metadata)
     except Exception as exc:  # torchsnapshot's parser raises whatever YAML or its dataclasses raise
         raise RestoreError(f"{path}: unreadable snapshot metadata ({type(exc).__name__}: {exc}); restore another snapshot") from exc
+    check_locations(snapshot, {location: keys[0] for location, keys in stored_in.items()}, named_in=path)
+    return metadata
 
 
 def manifest_for_rank(metadata: SnapshotMetadata, rank: int) -> dict[str, Entry]:
