@@ -282,6 +282,8 @@ class RecoveryAgent(LocalElasticAgent):
         next_rendezvous = handler.next_rendezvous
 
         def next_rendezvous_then_roles() -> RendezvousInfo:
+            if self._watch is not None:
+                self._watch.pause()  # the rendezvous uses the handler's state alone
             info = next_rendezvous()
             if self._executor is not None:
                 self._executor.rejoining = True
