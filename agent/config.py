@@ -48,8 +48,12 @@ KNOWN_RDZV_CONF_KEYS: dict[str, frozenset[str]] = {
     "static": frozenset({"rank", "timeout"}),
 }
 KNOWN_RDZV_CONF_KEYS["etcd3"] = KNOWN_RDZV_CONF_KEYS["etcd-v3"] = _DYNAMIC_RDZV_KEYS | {
-    "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password", "key_prefix", "lease_ttl",
+    "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password", "password_file", "key_prefix", "lease_ttl",
 }
+SECRET_RDZV_CONF_KEYS = frozenset({"password"})
+"""rendezvous.conf keys whose values never leave the agent: redacted in --print-config and in the
+config file workers read (TORCHREVIVE_CONFIG)."""
+REDACTED = "<redacted>"
 _RDZV_DURATION_KEYS = frozenset(k for k in _DYNAMIC_RDZV_KEYS if k.endswith("timeout")) | {
     "keep_alive_interval", "lease_ttl"
 }
@@ -180,8 +184,12 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        """The resolved config as YAML, loadable by :func:`load_config`."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The resolved config as YAML, loadable by :func:`load_config`, secrets redacted."""
+        document = self.to_dict()
+        conf = document["rendezvous"]["conf"]
+        for key in SECRET_RDZV_CONF_KEYS & conf.keys():
+            conf[key] = REDACTED
+        return yaml.safe_dump(document, sort_keys=False)
 
 
 def all_key_paths() -> list[str]:

@@ -10,6 +10,7 @@ from the state is lost.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,12 @@ from typing import Literal
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
+
+logger = logging.getLogger(__name__)
+
+FRESH_READ_WAIT_S = 1.0
+"""How long ``check(now=True)`` waits for a fresh read; the backend answers in milliseconds when it
+is reachable, and the monitor loop must not wait out an outage."""
 
 Cause = Literal["node_lost", "node_hung", "node_joined", "worker_failed"]
 """node_lost: a participant's heartbeats lapsed (killed, frozen or cut off: from the survivors'
@@ -54,8 +61,13 @@ class Change:
 
 
 class MembershipWatch:
-    """Compares the rendezvous state with the round this agent's workers run in. With a backend
-    that can watch its state (etcd3), every change of the state is checked as soon as it lands.
+    """Compares the rendezvous state with the round this agent's workers run in.
+
+    The state is read by a background thread, every ``poll_interval`` and, with a backend that can
+    watch its state (etcd3), as soon as a change lands. The monitor loop only compares the latest
+    read with its round, so it never waits on the backend: while the store or etcd is unreachable,
+    for however long, the reads fail (logged once per outage) and the workers keep training. Reads
+    pause during a rendezvous, which uses the handler's state alone.
 
     Args:
         handler: the agent's rendezvous handler (a DynamicRendezvousHandler: c10d, etcd3).
@@ -66,24 +78,36 @@ class MembershipWatch:
         self._handler = handler
         self._poll_interval = poll_interval
         self._round: Membership | None = None
-        self._last_poll = 0.0
+        self._round_started = 0.0
         self._heartbeats: dict[str, float] = {}
-        self._changed = threading.Event()
+        self._wake = threading.Event()
+        self._running = threading.Event()
+        """Set while a round runs: the reader reads only then."""
+        self._reading = threading.Lock()
+        """Held through one read (retries included); :meth:`pause` waits for it."""
+        self._published = threading.Condition()
+        self._latest: tuple[float, Membership] | None = None
+        """When the latest successful read started (monotonic), and what it found."""
+        self._compared = 0.0
+        self._closed = False
+        self.unreachable_since: float | None = None
+        """When reads began to fail (monotonic), while they do."""
         settings = handler.settings
         self.heartbeat_timeout = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
         """Seconds without a heartbeat after which torch drops a node."""
         backend = getattr(handler._state_holder, "_backend", None)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
-            backend.watch_state(self._changed.set)
+            backend.watch_state(self._wake.set)
+        threading.Thread(target=self._read_loop, name="torchrevive-membership", daemon=True).start()
 
     @property
     def node(self) -> str:
         return str(self._handler._this_node)
 
     def read(self) -> Membership:
-        """Sync with the backend and return the current state."""
+        """Sync with the backend and return the current state (blocks while the backend retries)."""
         handler = self._handler
-        with handler._heartbeat_lock:
+        with handler._heartbeat_lock:  # the keep-alive thread syncs the same state holder
             handler._state_holder.sync()
             state = handler._state_holder.state
             heartbeats = {str(n): _epoch(t) for n, t in state.last_heartbeats.items()}
@@ -97,21 +121,47 @@ class MembershipWatch:
         self._heartbeats.update(heartbeats)
         return membership
 
+    def pause(self) -> None:
+        """Stop reading (call before each rendezvous); returns once no read is in flight."""
+        self._running.clear()
+        with self._reading:
+            pass
+
     def start_round(self) -> Membership:
-        """Remember the round just completed (call after each rendezvous)."""
+        """Remember the round just completed and resume reading (call after each rendezvous)."""
+        self.pause()
+        self._round_started = time.monotonic()
         self._round = self.read()
+        self._running.set()
         return self._round
 
+    def close(self) -> None:
+        """End the background reader."""
+        self._closed = True
+        self._running.set()
+        self._wake.set()
+
     def check(self, *, workers_healthy: bool, now: bool = False) -> Change | None:
-        """The change since ``start_round``, if any. Reads the state at most every poll_interval,
-        unless ``now`` (workers just failed: was it because of a membership change?)."""
-        clock = time.monotonic()
-        due = now or self._changed.is_set() or clock - self._last_poll >= self._poll_interval
-        if self._round is None or not due:
+        """The change since ``start_round`` that the latest read shows, if any (each read is
+        compared once). With ``now`` (workers just failed: was it because of a membership change?)
+        it waits up to FRESH_READ_WAIT_S for a read that starts after the call."""
+        if self._round is None:
             return None
-        self._last_poll = clock
-        self._changed.clear()
-        current = self.read()
+        asked = time.monotonic()
+        if now:
+            self._wake.set()
+        with self._published:
+            if now:
+                self._published.wait_for(lambda: self._latest is not None and self._latest[0] >= asked,
+                                         timeout=FRESH_READ_WAIT_S)
+            latest = self._latest
+        if latest is None or latest[0] < self._round_started or latest[0] <= self._compared:
+            return None
+        self._compared = latest[0]
+        return self._change(latest[1], workers_healthy)
+
+    def _change(self, current: Membership, workers_healthy: bool) -> Change | None:
+        assert self._round is not None, "compared only once a round started"
         if current.round != self._round.round or self.node not in current.participants:
             return Change("node_hung", lost=frozenset({self.node}))
         gone = self._round.participants - current.participants
@@ -123,6 +173,39 @@ class MembershipWatch:
         if current.waiting or gone:
             return Change("node_joined", joined=current.waiting | gone)
         return None
+
+    def _read_loop(self) -> None:
+        while True:
+            self._wake.wait(self._poll_interval)
+            self._wake.clear()
+            self._running.wait()
+            if self._closed:
+                return
+            with self._reading:
+                if not self._running.is_set():
+                    continue
+                started = time.monotonic()
+                membership = self._read_through_outages()
+            if membership is not None:
+                with self._published:
+                    self._latest = (started, membership)
+                    self._published.notify_all()
+
+    def _read_through_outages(self) -> Membership | None:
+        """A read, or None while the backend is unreachable (logged when an outage starts and ends)."""
+        try:
+            membership = self.read()
+        except Exception as exc:  # the reader outlives any backend failure; the next poll tries again
+            if self.unreachable_since is None:
+                self.unreachable_since = time.monotonic()
+                logger.warning("the rendezvous state is unreachable (%s: %s); the workers keep training, and the "
+                               "agent keeps trying every %.2f s", type(exc).__name__, exc, self._poll_interval)
+            return None
+        if self.unreachable_since is not None:
+            logger.warning("the rendezvous state is reachable again after %.1f s",
+                           time.monotonic() - self.unreachable_since)
+            self.unreachable_since = None
+        return membership
 
     def _heard_from_lately(self, node: str) -> bool:
         """Whether ``node``'s last heartbeat seen is younger than the heartbeat timeout: torch

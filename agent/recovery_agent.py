@@ -17,6 +17,7 @@ import importlib
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
 
-from agent import worker
+from agent import health, torch_private, worker
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
@@ -77,10 +78,15 @@ class RecoveryAgent(LocalElasticAgent):
             keep_alive = handler.settings.keep_alive_interval.total_seconds()
             self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10)
             self._watch = MembershipWatch(handler, poll_interval=keep_alive / 4)
+            torch_private.bind_shared_store(handler, tcp_store_on)
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
         self._metrics = Metrics.serve(job.observability.metrics_addr, job.observability.metrics_port)
+        # Started before the first rendezvous (which may be long), as torch's newer launcher does.
+        server = health.from_environment(torch_private.alive_time(self), host=job.observability.metrics_addr)
+        if server is not None:
+            torch_private.set_health_check_server(self, server)
         self._previous_participants: frozenset[str] = frozenset()
         self._restart_counted = False
         self._prefetch_stop = threading.Event()
@@ -175,8 +181,14 @@ class RecoveryAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch's default gives workers 30 s after SIGTERM; a worker blocked in a collective
-        # with a dead peer never exits by itself, so the grace period is the job's.
-        self._shutdown(signal.SIGTERM, timeout=math.ceil(self._job.elastic.stop_grace))
+        # with a dead peer never exits by itself, so the grace period is the job's. The health
+        # check keeps answering while the job re-forms (torch's _shutdown would stop it).
+        with torch_private.health_check_server_kept(self):
+            self._shutdown(signal.SIGTERM, timeout=math.ceil(self._job.elastic.stop_grace))
+
+    def _setup_healthcheck(self) -> None:
+        """Nothing: the health-check server started with the agent serves through every round
+        (torch's would replace it with a new one each time workers start)."""
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -219,9 +231,7 @@ class RecoveryAgent(LocalElasticAgent):
         """
         store = worker_group.store
         if worker_group.group_rank == 0:
-            self._worker_store = dist.TCPStore(
-                host_name=worker_group.master_addr, port=0, is_master=True, wait_for_workers=False
-            )
+            self._worker_store = tcp_store_on(worker_group.master_addr)
             store.set(WORKER_STORE_KEY, f"{worker_group.master_addr} {self._worker_store.port}")
         address, port = store.get(WORKER_STORE_KEY).decode().split()
         worker_group.master_addr, worker_group.master_port = address, int(port)
@@ -289,6 +299,8 @@ class RecoveryAgent(LocalElasticAgent):
         next_rendezvous = handler.next_rendezvous
 
         def next_rendezvous_then_roles() -> RendezvousInfo:
+            if self._watch is not None:
+                self._watch.pause()  # the rendezvous uses the handler's state alone
             info = next_rendezvous()
             if self._executor is not None:
                 self._executor.rejoining = True
@@ -302,6 +314,24 @@ class RecoveryAgent(LocalElasticAgent):
             return info
 
         handler.next_rendezvous = next_rendezvous_then_roles
+
+
+def tcp_store_on(host: str, port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` alone (port 0: a free one). TCPStore itself listens
+    on every interface whatever host it is given; from a socket bound here, it listens where asked.
+    Raises OSError when the port is taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own: a restarted agent rebinds at once
+    try:
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host_name=host, port=port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                         master_listen_fd=listener.detach())
 
 
 def nodes_used(nodes: int, nproc_per_node: int, multiple_of: int) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -14,11 +16,13 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_DEFAULT_PORT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from agent.config import JobConfig
-from agent.recovery_agent import RecoveryAgent
+from agent import torch_private
+from agent.recovery_agent import RecoveryAgent, tcp_store_on
 from agent.rendezvous import etcd3_backend
 from launcher.torchrun_flags import RunRequest, torchrun_namespace
 
@@ -64,6 +68,10 @@ def run_agent(
     if config.rdzv_backend in etcd3_backend.NAMES:
         etcd3_backend.register()  # normally done by the entry point, unless the package is not installed
     master_addr, master_port = _static_master(rdzv_parameters)
+    store_server = _host_c10d_store(rdzv_parameters)  # noqa: F841 (serves while the agent runs)
+    # As torch's launch_agent: torch's worker processes context reads it when it starts workers,
+    # and turns those signals into SignalException, on which the agent forwards the signal to them.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -111,6 +119,28 @@ def run_agent(
     finally:
         if shutdown_rendezvous:
             spec.rdzv_handler.shutdown()
+
+
+def _host_c10d_store(params: RendezvousParameters) -> dist.TCPStore | None:
+    """When this node hosts the c10d backend's store, host it here, listening on the endpoint's
+    address alone, and let torch's backend connect to it as a client: torch's own listens on every
+    interface. Decides as torch does: ``is_host`` when given, else whether the endpoint names this
+    machine; a taken port then means another agent here hosts it."""
+    if params.backend != "c10d" or params.get("store_type", "tcp") != "tcp":
+        return None
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=C10D_DEFAULT_PORT)
+    explicit = params.get_as_bool("is_host")
+    if not (explicit if explicit is not None else torch_private.hosts_c10d_store(host)):
+        return None
+    try:
+        server = tcp_store_on(host, port)
+    except OSError as exc:
+        if explicit:
+            raise ValueError(f"rendezvous endpoint {params.endpoint}: cannot host the c10d store there "
+                             f"({exc.strerror}); free the port, or set is_host=false on all nodes but one") from exc
+        return None
+    params.endpoint, params.config["is_host"] = f"{host}:{server.port}", False
+    return server
 
 
 def _static_master(params: RendezvousParameters) -> tuple[str | None, int | None]:

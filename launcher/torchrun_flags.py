@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,10 @@ def _apply_flag(config: JobConfig, dest: str, key: str, value: Any, source: str)
             parsed = _parse_rendezvous_config(value)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+        if "password" in parsed and source.startswith("--"):
+            warnings.warn(f"{source}: a password on the command line is visible to every user of this machine "
+                          "(ps); name a file holding it with password_file, or set TORCHREVIVE_ETCD_PASSWORD",
+                          stacklevel=2)
         # Flag keys win over YAML keys one by one, so a flag can change one timeout.
         value = {**config.rendezvous.conf, **parsed}
     elif dest == "nproc_per_node" and isinstance(value, str) and value.isdigit():

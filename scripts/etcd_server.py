@@ -1,5 +1,8 @@
-"""A real etcd server for tests and the harness: Debian's `etcd-server` (/usr/bin/etcd) on free
-127.0.0.1 ports with a temporary data dir; it can be stopped and started again on the same data."""
+"""A real etcd for tests and the harness: Debian's `etcd-server` (/usr/bin/etcd) on free 127.0.0.1
+ports with a temporary data dir. One member (:class:`EtcdServer`) or several
+(:class:`EtcdCluster`), plain or with TLS (certificates from :func:`make_certificates`, made with
+the `openssl` command); :func:`enable_auth` turns on user/password authentication. A member can be
+stopped and started again on the same data."""
 
 from __future__ import annotations
 
@@ -7,38 +10,95 @@ import shutil
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from local_ports import free_port
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
 
 
 def etcd_available() -> bool:
     return Path(ETCD).exists()
 
 
-class EtcdServer:
-    """``with EtcdServer(data_dir) as etcd: etcd.endpoint`` -> "127.0.0.1:PORT"."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
 
-    def __init__(self, data_dir: Path) -> None:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def rdzv_conf(self) -> dict[str, str]:
+        """The rendezvous options (torch's names) that make a client use these files."""
+        return {"ca_cert": str(self.ca_cert), "ssl_cert": str(self.client_cert), "ssl_cert_key": str(self.client_key)}
+
+
+def make_certificates(directory: Path) -> TlsFiles:
+    """A throwaway CA and certificates for etcd on 127.0.0.1, made with the openssl command."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run([OPENSSL, *args], check=True, capture_output=True, cwd=directory)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=torchrevive-test-ca",
+            "-keyout", "ca.key", "-out", "ca.crt")
+    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        extensions = directory / f"{name}.ext"
+        extensions.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                "-out", f"{name}.csr")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "2", "-extfile", extensions.name, "-out", f"{name}.crt")
+    return TlsFiles(directory / "ca.crt", directory / "server.crt", directory / "server.key",
+                    directory / "client.crt", directory / "client.key")
+
+
+class EtcdServer:
+    """One etcd member. ``with EtcdServer(data_dir) as etcd: etcd.endpoint`` -> "127.0.0.1:PORT".
+
+    Args:
+        data_dir: its data (kept across stop and start); its log goes beside it (``.log``).
+        name, initial_cluster: its member name and the whole cluster's ``name=peer-url`` list
+            (default: a cluster of this member alone).
+        tls: serve clients over TLS with these files, and ask for client certificates.
+    """
+
+    def __init__(self, data_dir: Path, *, name: str = "default", initial_cluster: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.data_dir = Path(data_dir)
+        self.name = name
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.peer_url = f"http://127.0.0.1:{self.peer_port}"
+        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self._proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30) -> None:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve (members of a cluster wait for each other)."""
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--trusted-ca-file", str(self.tls.ca_cert), "--client-cert-auth"]
         self._proc = subprocess.Popen(
-            [ETCD, "--name", "default", "--data-dir", str(self.data_dir), "--listen-client-urls", client,
-             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}"],
+            [ETCD, "--name", self.name, "--data-dir", str(self.data_dir), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", self.peer_url,
+             "--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", self.initial_cluster,
+             "--initial-cluster-state", "new", *tls],
             stdout=open(self.data_dir.with_suffix(".log"), "a"), stderr=subprocess.STDOUT,  # noqa: SIM115
         )
+
+    def wait_listening(self, timeout: float = 30) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self._proc.returncode}; see {self.data_dir.with_suffix('.log')}")
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise RuntimeError(f"etcd {self.name} exited with {code}; see {self.data_dir.with_suffix('.log')}")
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5):
                     return
@@ -46,9 +106,20 @@ class EtcdServer:
                 time.sleep(0.1)
         raise TimeoutError(f"etcd did not listen on {self.endpoint} within {timeout:.0f} s")
 
+    def start(self, timeout: float = 30) -> None:
+        self.launch()
+        self.wait_listening(timeout)
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
+            self._proc.wait(timeout=30)
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: the member vanishes without closing its connections cleanly."""
+        if self._proc is not None:
+            self._proc.kill()
             self._proc.wait(timeout=30)
         self._proc = None
 
@@ -58,3 +129,51 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EtcdCluster:
+    """``members`` etcd members forming one cluster on 127.0.0.1; ``endpoint`` lists every member's
+    client address, comma-separated, as ``--rdzv-endpoint`` takes them."""
+
+    def __init__(self, work: Path, members: int = 3, *, tls: TlsFiles | None = None) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.members = [EtcdServer(work / f"member{i}", name=f"member{i}", tls=tls) for i in range(members)]
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = cluster
+        self.endpoint = ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 60) -> None:
+        for member in self.members:
+            member.launch()
+        for member in self.members:
+            member.wait_listening(timeout)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def enable_auth(endpoint: str, password: str, tls: TlsFiles | None = None) -> None:
+    """Create the root role and the root user (etcd turns authentication on only with both), then
+    turn it on, as ``etcdctl role add root; user add root; user grant-role root root; auth enable``."""
+    from agent.rendezvous import etcd3_backend  # noqa: F401 (torch's rendezvous first: see its imports)
+    from agent.rendezvous.etcd3_client import import_etcd3
+
+    etcd3 = import_etcd3()
+    host, port = endpoint.split(",")[0].rsplit(":", 1)
+    files = {} if tls is None else {"ca_cert": str(tls.ca_cert), "cert_cert": str(tls.client_cert),
+                                    "cert_key": str(tls.client_key)}
+    with etcd3.client(host=host, port=int(port), timeout=10, **files) as client:
+        stub, rpc = etcd3.etcdrpc.AuthStub(client.channel), etcd3.etcdrpc
+        stub.RoleAdd(rpc.AuthRoleAddRequest(name="root"), 10)
+        stub.UserAdd(rpc.AuthUserAddRequest(name="root", password=password), 10)
+        stub.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), 10)
+        stub.AuthEnable(rpc.AuthEnableRequest(), 10)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,12 +35,13 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def start_torchrevive(args: Sequence[str], **kwargs) -> subprocess.Popen:
-    """Start `torchrevive ...` as a real process in the repo root, output captured."""
+def start_torchrevive(args: Sequence[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Start `torchrevive ...` as a real process in the repo root, output captured; ``env`` adds
+    variables to :func:`worker_env`."""
     return subprocess.Popen(
         [*TORCHREVIVE, *args],
         cwd=REPO,
-        env=worker_env(),
+        env={**worker_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -47,3 +52,34 @@ def start_torchrevive(args: Sequence[str], **kwargs) -> subprocess.Popen:
 @pytest.fixture
 def rdzv_endpoint() -> str:
     return f"127.0.0.1:{free_port()}"
+
+
+STEADY_WORKER = "tests/steady_worker.py"
+"""A worker that all-reduces until OUT/stop exists (see its docstring)."""
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` every 0.1 s until it returns something true, which is returned."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within {timeout:.0f} s")
+
+
+def workers_ready(out: Path, ranks: int, timeout: float = 120) -> list[dict[str, Any]]:
+    """What each steady worker recorded once its process group formed."""
+    files = [out / f"ready{rank}" for rank in range(ranks)]
+    wait_until(lambda: all(f.exists() and f.read_text() for f in files), timeout, f"{ranks} ready workers in {out}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def kill_leftovers(pids: Sequence[int]) -> None:
+    """SIGKILL processes a failed test may have left behind (orphaned workers)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -42,6 +42,21 @@ def test_round_trip_through_print_config_yaml(tmp_path):
     assert again == config
 
 
+def test_the_etcd_password_is_redacted_and_password_file_accepted(tmp_path):
+    request = resolve(tmp_path, "rendezvous:\n  backend: etcd3\n  endpoint: 127.0.0.1:2379\n  conf:\n"
+                                "    user: root\n    password: hunter2\n    password_file: /run/secrets/etcd\n")
+    text = request.config.to_yaml()
+    assert "hunter2" not in text and request.config.rendezvous.conf["password"] == "hunter2"
+    assert load_config(write(tmp_path, text)).rendezvous.conf == {
+        "user": "root", "password": "<redacted>", "password_file": "/run/secrets/etcd"}
+
+
+def test_a_password_flag_warns_that_ps_shows_it(tmp_path):
+    with pytest.warns(UserWarning, match="--rdzv-conf: a password on the command line is visible"):
+        parse_run_args(["--rdzv-backend", "etcd3", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
+                        "user=root,password=hunter2", "train.py"])
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [

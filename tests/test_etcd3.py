@@ -1,31 +1,48 @@
 """The etcd3 rendezvous backend against a real etcd (Debian's etcd-server): compare-and-set, lease
-expiry, the store, registration with torch (entry point and plain torchrun), and elastic jobs that
-lose the node that started first, freeze and thaw, and live through an etcd restart."""
+expiry, the store, registration with torch (entry point and plain torchrun), elastic jobs that
+lose the node that started first, freeze and thaw, and live through an etcd restart and an outage
+longer than read_timeout; TLS with user/password (the token renewed after a restart, the password
+kept from workers); a 3-member cluster losing the member in use under threads sharing a connection."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, free_port, worker_env
+from conftest import (
+    REPO,
+    STEADY_WORKER,
+    free_port,
+    kill_leftovers,
+    start_torchrevive,
+    wait_until,
+    worker_env,
+    workers_ready,
+)
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from agent.events import read_events
 from agent.rendezvous.etcd3_backend import (
+    PASSWORD_ENV,
     Etcd3Lease,
     Etcd3RendezvousBackend,
     Etcd3Store,
+    create_etcd3_handler,
     options_from,
 )
-from agent.rendezvous.etcd3_client import Etcd3Connection
+from agent.rendezvous.etcd3_client import Etcd3Connection, import_etcd3
 
 sys.path.insert(0, str(REPO / "scripts"))
 import local_cluster
-from etcd_server import EtcdServer, etcd_available
+from etcd_server import EtcdCluster, EtcdServer, enable_auth, etcd_available, make_certificates
 
 if not etcd_available():
     if os.environ.get("CI"):
@@ -39,13 +56,16 @@ def etcd(tmp_path):
         yield server
 
 
+def params_for(endpoint: str, **conf) -> RendezvousParameters:
+    return RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id="run", min_nodes=1, max_nodes=1, **conf)
+
+
 def connect(endpoint: str, **conf) -> Etcd3Connection:
-    params = RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id="run", min_nodes=1, max_nodes=1, **conf)
-    return Etcd3Connection(options_from(params))
+    return Etcd3Connection(options_from(params_for(endpoint, **conf)))
 
 
-def backend_on(endpoint: str, ttl: int = 30) -> Etcd3RendezvousBackend:
-    connection = connect(endpoint)
+def backend_on(endpoint: str, ttl: int = 30, **conf) -> Etcd3RendezvousBackend:
+    connection = connect(endpoint, **conf)
     return Etcd3RendezvousBackend(connection, "run", prefix="/test", lease=Etcd3Lease(connection, ttl))
 
 
@@ -66,7 +86,7 @@ def test_an_abandoned_runs_state_expires_with_its_lease(etcd):
         import os
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from agent.rendezvous.etcd3_backend import Etcd3Lease, Etcd3RendezvousBackend, options_from
-        from agent.rendezvous.etcd3_client import Etcd3Connection
+        from agent.rendezvous.etcd3_client import Etcd3Connection, import_etcd3
         params = RendezvousParameters(backend="etcd3", endpoint={etcd.endpoint!r}, run_id="run", min_nodes=1,
                                       max_nodes=1)
         connection = Etcd3Connection(options_from(params))
@@ -106,7 +126,6 @@ def test_store(etcd):
 def test_an_unreachable_endpoint_fails_with_one_clear_message():
     port = free_port()
     connection = connect(f"127.0.0.1:{port}", read_timeout=2)
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     with pytest.raises(RendezvousConnectionError, match=rf"etcd at 127.0.0.1:{port} unreachable for 2 s"):
         connection.call(lambda c: c.get("/x"))
 
@@ -171,3 +190,161 @@ def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
         cluster.stop()
     events = read_events(tmp_path / "events.jsonl")
     assert not [e for e in events if e["event"] == "membership_change"]
+
+
+PASSWORD = "s3cret-Pa55"
+
+
+def test_tls_and_auth_with_the_token_renewed_after_an_etcd_restart(tmp_path):
+    tls = make_certificates(tmp_path / "tls")
+    secret = tmp_path / "password"
+    secret.write_text(PASSWORD + "\n")
+    with EtcdServer(tmp_path / "etcd-data", tls=tls) as etcd:
+        enable_auth(etcd.endpoint, PASSWORD, tls)
+        backend = backend_on(etcd.endpoint, user="root", password_file=str(secret), **tls.rdzv_conf())
+        backend.set_state(b"before")
+        etcd.stop()
+        etcd.start()  # etcd forgets every auth token it gave out
+        assert backend.get_state()[0] == b"before"
+        wrong = tmp_path / "wrong"
+        wrong.write_text("guess")
+        with pytest.raises(RendezvousConnectionError, match=rf"etcd at {etcd.endpoint} refused user 'root'"):
+            connect(etcd.endpoint, user="root", password_file=str(wrong), **tls.rdzv_conf()).call(lambda c: c.get("/x"))
+
+
+def test_password_options_and_their_errors(tmp_path, monkeypatch):
+    secret = tmp_path / "password"
+    secret.write_text(PASSWORD + "\n")
+    assert options_from(params_for("127.0.0.1:1", user="root", password_file=str(secret))).password == PASSWORD
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    assert options_from(params_for("127.0.0.1:1", user="root")).password == PASSWORD
+    assert PASSWORD_ENV not in os.environ  # read once, not inherited by workers
+    assert PASSWORD not in repr(options_from(params_for("127.0.0.1:1", user="root", password=PASSWORD)))
+    with pytest.raises(ValueError, match=rf"password_file={tmp_path}/missing: cannot read the etcd password"):
+        options_from(params_for("127.0.0.1:1", user="root", password_file=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match=f"user=root needs a password: set password_file .* or {PASSWORD_ENV}"):
+        options_from(params_for("127.0.0.1:1", user="root"))
+    with pytest.raises(ValueError, match="a password but no user"):
+        options_from(params_for("127.0.0.1:1", password_file=str(secret)))
+
+
+def test_a_client_replaced_by_one_thread_stays_open_for_another(etcd):
+    connection = connect(f"{etcd.endpoint},{etcd.endpoint}", read_timeout=10)
+    connection.call(lambda c: c.put("/k", "v"))
+    in_use, replaced = threading.Event(), threading.Event()
+
+    def slow(client):  # an operation still running on the client when another thread fails over
+        in_use.set()
+        replaced.wait(30)
+        return client.get("/k")[0]
+
+    failures = iter([import_etcd3().exceptions.ConnectionFailedError()])
+
+    def fails_once(client):  # as if the endpoint had failed under this thread
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return client.get("/k")[0]
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(connection.call, slow)
+        assert in_use.wait(30)
+        assert connection.call(fails_once) == b"v"  # on a new client
+        replaced.set()
+        assert running.result(timeout=30) == b"v"  # the old client was not closed under it
+
+
+def rendezvous(handlers) -> list[int]:
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(lambda h: h.next_rendezvous().world_size, handlers))
+
+
+def test_losing_the_cluster_member_in_use_under_threads_sharing_a_connection(tmp_path):
+    with EtcdCluster(tmp_path / "cluster", members=3) as cluster:
+        conf = {"join_timeout": 60, "last_call_timeout": 1, "read_timeout": 30}
+        handlers = [create_etcd3_handler(RendezvousParameters(backend="etcd3", endpoint=cluster.endpoint,
+                                                              run_id="cluster", min_nodes=2, max_nodes=2, **conf))
+                    for _ in range(2)]
+        assert rendezvous(handlers) == [2, 2]
+        connection = connect(cluster.endpoint, read_timeout=30)  # starts on the first member, as the handlers do
+        done: list[int] = [0] * 4
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def work(index: int) -> None:
+            store = Etcd3Store(connection, f"/threads/{index}", Etcd3Lease(connection, 30))
+            while not stop.is_set():
+                try:
+                    store.set("k", str(done[index]))
+                    assert store.get("k") == str(done[index]).encode()
+                except BaseException as exc:  # any failure of a shared-connection thread fails the test
+                    errors.append(exc)
+                    return
+                done[index] += 1
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: min(done) >= 5, 60, "operations before the kill")
+        cluster.members[0].kill()
+        at_kill = list(done)
+        wait_until(lambda: errors or all(d >= k + 20 for d, k in zip(done, at_kill)), 90,
+                   "operations after the kill on every thread")
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not errors, errors
+        assert rendezvous(handlers) == [2, 2]  # the handlers fail over too, and the next round forms
+        for handler in handlers:
+            handler._stop_heartbeats()
+
+
+def test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone(etcd, tmp_path):
+    # read_timeout 2 s; etcd down for 8 s. The agents' reads of the rendezvous fail (logged) while
+    # the workers keep all-reducing; after etcd is back the job ends normally, never restarted.
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd3", "--rdzv-endpoint", etcd.endpoint,
+            "--rdzv-id", "outage", "--rdzv-conf", "read_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "join_timeout=60,last_call_timeout=1", "--monitor-interval", "0.2", STEADY_WORKER, str(tmp_path)]
+    agents = [start_torchrevive(["run", *args]) for _ in range(2)]
+    pids = []
+    try:
+        pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
+        etcd.stop()
+        down = time.time()
+        time.sleep(8.0)  # the outage itself, four read_timeouts long
+        progress = [float(line.split()[1]) for line in (tmp_path / "progress0").read_text().splitlines()]
+        etcd.start()
+        (tmp_path / "stop").touch()
+        outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+        kill_leftovers(pids)
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert [t for t in progress if t > down + 6], "the workers trained through the outage"
+    assert all("the rendezvous state is unreachable" in out for out in outputs)
+    assert [json.loads((tmp_path / f"ready{r}").read_text())["restart"] for r in range(2)] == ["0", "0"]
+
+
+def test_workers_get_neither_the_password_nor_the_protobuf_switch(tmp_path):
+    tls = make_certificates(tmp_path / "tls")
+    with EtcdServer(tmp_path / "etcd-data", tls=tls) as etcd:
+        enable_auth(etcd.endpoint, PASSWORD, tls)
+        conf = ",".join(f"{k}={v}" for k, v in {"user": "root", **tls.rdzv_conf()}.items())
+        proc = start_torchrevive(
+            ["run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "etcd3", "--rdzv-endpoint",
+             etcd.endpoint, "--rdzv-id", "secret", "--rdzv-conf", conf, STEADY_WORKER, str(tmp_path), "--env",
+             PASSWORD_ENV, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"],
+            env={PASSWORD_ENV: PASSWORD})
+        pids = []
+        try:
+            [ready] = workers_ready(tmp_path, 1)
+            pids = [ready["pid"]]
+            (tmp_path / "stop").touch()
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            kill_leftovers(pids)
+    assert proc.returncode == 0, output[-3000:]
+    assert ready["env"] == {PASSWORD_ENV: None, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": None}
+    assert PASSWORD not in ready["config"] and PASSWORD not in output

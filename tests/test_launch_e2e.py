@@ -3,13 +3,26 @@
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
 import yaml
-from conftest import REPO, TORCHREVIVE, start_torchrevive
+from conftest import (
+    REPO,
+    STEADY_WORKER,
+    TORCHREVIVE,
+    free_port,
+    kill_leftovers,
+    start_torchrevive,
+    wait_until,
+    workers_ready,
+)
 from torch.distributed import run as torchrun
 
 pytestmark = pytest.mark.e2e
@@ -121,3 +134,94 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert out.strip() == f"torchrevive run: error: {bad}: job.nnodes: '3:1' has min 3 > max 1; write MIN:MAX with MIN <= MAX"
+
+
+def stop_steady_job(proc: subprocess.Popen, out, pids: list[int]) -> tuple[int, str]:
+    (out / "stop").touch()
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+        kill_leftovers(pids)
+    return proc.returncode, output
+
+
+def test_a_signal_the_agent_handles_is_forwarded_to_the_workers(tmp_path):
+    # torchrun --signals-to-handle: the agent turns SIGUSR1 into a shutdown that sends SIGUSR1 to
+    # every worker (torch's own path); unhandled, SIGUSR1 would kill the agent and orphan them.
+    proc = start_torchrevive(["run", "--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1",
+                              "--monitor-interval", "0.2", STEADY_WORKER, str(tmp_path), "--record-signal", "SIGUSR1"])
+    pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
+    proc.send_signal(signal.SIGUSR1)
+    code, output = stop_steady_job(proc, tmp_path, pids)
+    assert [(tmp_path / f"signal{rank}").read_text() for rank in range(2)] == ["SIGUSR1", "SIGUSR1"], output
+    assert code != 0 and "SignalException" in output  # the agent stops as torchrun's does
+
+
+def probe(port: int) -> tuple[int, dict] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except OSError:
+        return None
+
+
+def test_the_health_check_answers_on_torchruns_port_through_the_job(tmp_path):
+    port = free_port()
+    proc = start_torchrevive(["run", "--standalone", "--nproc-per-node", "1", STEADY_WORKER, str(tmp_path)],
+                             env={"TORCHELASTIC_HEALTH_CHECK_PORT": str(port)})
+    pids = []
+    try:
+        wait_until(lambda: probe(port), 60, f"a health-check answer on port {port}")
+        pids = [w["pid"] for w in workers_ready(tmp_path, 1)]
+        status, body = probe(port)
+        assert status == 200 and body["alive"] and body["age_s"] < 60
+    finally:
+        code, output = stop_steady_job(proc, tmp_path, pids)
+    assert code == 0, output
+    assert probe(port) is None  # torch's shutdown stops it with the agent
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in one of ``pids``, from ss -ltnp."""
+    table = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in table.splitlines():
+        fields = line.split()
+        address, _, port = fields[3].rpartition(":")
+        owners = {int(pid) for pid in re.findall(r"pid=(\d+)", line)}
+        found += [(address, int(port), pid) for pid in owners & pids]
+    return found
+
+
+def test_every_port_of_a_job_listens_on_the_configured_address_only(tmp_path, rdzv_endpoint):
+    # README's Security list: the agent's c10d store, torch's shared store, the workers' store,
+    # metrics and health check; each worker's gloo listener. All on 127.0.0.1 here, none on *.
+    metrics, health = free_port(), free_port()
+    proc = start_torchrevive(["run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "ports",
+                              "--set", f"observability.metrics_port={metrics}", STEADY_WORKER, str(tmp_path)],
+                             env={"TORCHELASTIC_HEALTH_CHECK_PORT": str(health)})
+    pids = []
+    try:
+        pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
+        sockets = listening_sockets({proc.pid, *pids})
+    finally:
+        code, output = stop_steady_job(proc, tmp_path, pids)
+    assert code == 0, output
+    agent = sorted(port for _, port, pid in sockets if pid == proc.pid)
+    assert {int(rdzv_endpoint.rsplit(":", 1)[1]), metrics, health} <= set(agent) and len(agent) == 5, sockets
+    assert sorted(pid for _, _, pid in sockets if pid != proc.pid) == sorted(pids), sockets  # one gloo port each
+    assert {address for address, _, _ in sockets} == {"127.0.0.1"}, sockets
+
+
+def test_print_config_redacts_the_etcd_password(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("rendezvous:\n  backend: etcd3\n  endpoint: 127.0.0.1:2379\n  conf:\n    user: root\n"
+                   "    password: hunter2\n")
+    proc = start_torchrevive(["run", "--config", str(job), "--print-config"])
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "hunter2" not in out and yaml.safe_load(out)["rendezvous"]["conf"]["password"] == "<redacted>"

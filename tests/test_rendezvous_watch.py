@@ -116,9 +116,12 @@ def test_the_watch_tells_a_peer_restarting_from_a_lost_one(make_node):
         assert change.cause == "node_joined" and change.lost == frozenset()
         assert change.joined == {str(second._this_node)}
         third._stop_heartbeats()  # the third node dies
-        # The first node rejoins too; the round re-forms without the third once it is dropped.
+        # The first node rejoins too (its agent pauses the watch first); the round re-forms without
+        # the third once it is dropped.
+        watch.pause()
         assert first.next_rendezvous().world_size == 2 and rejoined.result().world_size == 2
     watch.start_round()
     second._stop_heartbeats()
     change = first_change(watch)
     assert change.cause == "node_lost" and change.lost == {str(second._this_node)}
+    watch.close()

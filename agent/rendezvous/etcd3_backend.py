@@ -13,21 +13,24 @@ and etcd 3.6, which dropped the v2 API that torch's own etcd backends speak, wor
 Registered as ``etcd3`` and ``etcd-v3`` (see :func:`register` and the ``torchrun.handlers`` entry
 point in pyproject.toml). Options (``--rdzv-conf`` / ``rendezvous.conf``): ``read_timeout``,
 ``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` (torch's etcd backend's names), ``user``,
-``password``, ``key_prefix``, ``lease_ttl``, plus the dynamic rendezvous' own timeouts.
+``password_file`` (or ``password``, or TORCHREVIVE_ETCD_PASSWORD), ``key_prefix``, ``lease_ttl``,
+plus the dynamic rendezvous' own timeouts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousError, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -36,11 +39,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from agent.rendezvous.etcd3_client import (
-    MAX_RETRY_DELAY_S,
-    Etcd3Connection,
-    Etcd3Options,
-)
+# The module, not its names: torch loads this backend (an entry point) while it imports its own
+# rendezvous package, which etcd3_client imports, so etcd3_client may be half-imported here.
+from agent.rendezvous import etcd3_client
+
+if TYPE_CHECKING:
+    from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ NAMES = ("etcd3", "etcd-v3")
 DEFAULT_PREFIX = "/torchrevive/rendezvous"
 DEFAULT_LEASE_TTL_S = 60
 DEFAULT_PORT = 2379
+PASSWORD_ENV = "TORCHREVIVE_ETCD_PASSWORD"
+"""The etcd password, when rendezvous.conf names a user but no password_file."""
 
 
 class Etcd3Lease:
@@ -58,27 +64,36 @@ class Etcd3Lease:
         self._ttl = ttl
         self._lease: Any = None
         self._lock = threading.Lock()
+        """Guards _lease and _refresher; never held while etcd is called (its retries last up to read_timeout)."""
         self._refresher: threading.Thread | None = None
 
     def get(self) -> Any:
         with self._lock:
-            if self._lease is None:
-                self._lease = self._connection.call(lambda c: c.lease(self._ttl))
-                if self._refresher is None:
-                    self._refresher = threading.Thread(target=self._refresh, name="torchrevive-etcd3-lease", daemon=True)
-                    self._refresher.start()
+            if self._lease is not None:
+                return self._lease
+        lease = self._connection.call(lambda c: c.lease(self._ttl))
+        with self._lock:
+            if self._lease is None:  # else another thread's grant won: this one goes unused and expires
+                self._lease = lease
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh, name="torchrevive-etcd3-lease", daemon=True)
+                self._refresher.start()
             return self._lease
 
     def _refresh(self) -> None:
         while True:
             time.sleep(self._ttl / 3)
+            with self._lock:
+                lease = self._lease
+            if lease is None:
+                continue
             try:
                 # etcd3's refresh_lease is a generator: the keep-alive is sent as it is consumed.
-                remaining = self._connection.call(lambda c: list(c.refresh_lease(self._lease.id)))
-                if not remaining or remaining[0].TTL <= 0:  # expired (etcd was down too long): a new one
+                remaining = self._connection.call(lambda c: list(c.refresh_lease(lease.id)))
+                if not remaining or remaining[0].TTL <= 0:  # expired (etcd was unreachable too long): a new one
                     with self._lock:
                         self._lease = None
-            except Exception:  # a background thread: log, and try again next period
+            except RendezvousError:  # a background thread: log, and try again next period
                 logger.warning("refreshing the etcd lease failed; retrying", exc_info=True)
 
 
@@ -131,13 +146,19 @@ class Etcd3RendezvousBackend(RendezvousBackend):
     def _watch(self, callback: Callable[[], None]) -> None:
         while True:
             try:
-                events, cancel = self._connection.call(lambda c: c.watch(self._key))
-                for _ in events:
-                    callback()
-                cancel()
-            except Exception:  # reconnect; meanwhile the membership watch polls
+                self._connection.call(lambda c: self._follow(c, callback))
+            except RendezvousError:  # etcd unreachable for read_timeout: keep trying; meanwhile the watch polls
                 logger.debug("etcd watch on %s ended; re-establishing", self._key, exc_info=True)
             time.sleep(0.5)
+
+    def _follow(self, client: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on every change of the state key until the watch breaks (raises)."""
+        events, cancel = client.watch(self._key)
+        try:
+            for _ in events:
+                callback()
+        finally:
+            cancel()
 
 
 class Etcd3Store(Store):
@@ -223,7 +244,9 @@ class Etcd3Store(Store):
 
 
 def options_from(params: RendezvousParameters) -> Etcd3Options:
-    """Connection options from ``--rdzv-endpoint host:port[,host:port...]`` and ``--rdzv-conf``."""
+    """Connection options from ``--rdzv-endpoint host:port[,host:port...]``, ``--rdzv-conf`` and
+    TORCHREVIVE_ETCD_PASSWORD, which is removed from this process' environment once read (workers
+    inherit the agent's environment)."""
     endpoints = tuple(parse_rendezvous_endpoint(e.strip(), default_port=DEFAULT_PORT)
                       for e in params.endpoint.split(",") if e.strip())
     if not endpoints:
@@ -231,20 +254,46 @@ def options_from(params: RendezvousParameters) -> Etcd3Options:
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout is None or read_timeout <= 0:
         raise ValueError(f"rdzv-conf read_timeout={read_timeout}: must be a positive number of seconds")
-    return Etcd3Options(
+    user = params.get("user")
+    from_environment = os.environ.pop(PASSWORD_ENV, None)
+    return etcd3_client.Etcd3Options(
         endpoints=endpoints,
         ca_cert=params.get("ca_cert"),
         cert=params.get("ssl_cert"),
         cert_key=params.get("ssl_cert_key"),
-        user=params.get("user"),
-        password=params.get("password"),
+        user=user,
+        password=_password(params, from_environment) if user is not None else _no_password(params),
         read_timeout=float(read_timeout),
     )
 
 
+def _password(params: RendezvousParameters, from_environment: str | None) -> str:
+    """The etcd password: from ``password_file``, ``password`` or TORCHREVIVE_ETCD_PASSWORD."""
+    password, path = params.get("password"), params.get("password_file")
+    if password is not None and path is not None:
+        raise ValueError("rdzv-conf has both password and password_file; keep password_file (a file only the job's "
+                         "user can read keeps the password out of the command line and the config)")
+    if path is not None:
+        try:
+            return Path(path).read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"rdzv-conf password_file={path}: cannot read the etcd password ({exc.strerror}); "
+                             "give a file the agent can read") from exc
+    if password is None and from_environment is None:
+        raise ValueError(f"rdzv-conf user={params.get('user')} needs a password: set password_file in "
+                         f"rendezvous.conf, or {PASSWORD_ENV} in the agent's environment")
+    return password if password is not None else from_environment
+
+
+def _no_password(params: RendezvousParameters) -> None:
+    """Without a user there is no password to give: refuse one (etcd would ignore it silently)."""
+    if params.get("password") is not None or params.get("password_file") is not None:
+        raise ValueError("rdzv-conf has a password but no user; add user=NAME (etcd authenticates a user)")
+
+
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's DynamicRendezvousHandler over the etcd3 backend and store."""
-    connection = Etcd3Connection(options_from(params))
+    connection = etcd3_client.Etcd3Connection(options_from(params))
     prefix = str(params.get("key_prefix", DEFAULT_PREFIX)).rstrip("/")
     lease = Etcd3Lease(connection, params.get_as_int("lease_ttl", DEFAULT_LEASE_TTL_S) or DEFAULT_LEASE_TTL_S)
     backend = Etcd3RendezvousBackend(connection, params.run_id, prefix=prefix, lease=lease)
@@ -265,7 +314,7 @@ def _tolerate_outages(handler: DynamicRendezvousHandler, connection: Etcd3Connec
     """
     holder = handler._state_holder
     settings = handler.settings
-    grace = (settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)).total_seconds() + MAX_RETRY_DELAY_S
+    grace = (settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)).total_seconds() + etcd3_client.MAX_RETRY_DELAY_S
     sanitize = holder._sanitize
 
     def sanitize_after_grace() -> None:
