@@ -16,7 +16,7 @@ from torch import nn
 
 from agent.checkpoint import Checkpointer, CheckpointError
 from agent.errors import RestoreError
-from agent.checkpoint.dirs import COMMIT_MARKER, is_committed, list_snapshots
+from agent.checkpoint.dirs import is_committed, list_snapshots
 
 
 def state(seed: int) -> dict:
