@@ -2,28 +2,22 @@
 torchrun, rank 0 `torch.save`s the whole state, and on every (re)start rank 0 `torch.load`s it
 and broadcasts every tensor to the other ranks. Same model and steps as examples/train.py (DDP).
 
-It appends {"time", "event": "saved" | "first_step_done", "step"} lines to --marks.
+Rank 0 appends {"time", "event", "step", "world_size"} lines to --marks (examples/train.py's
+`mark`): `first_step_done` for the first step after a (re)start, `step` for every other, `saved`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.train import build_model, synthetic_dataset
-
-
-def mark(path: Path, event: str, step: int) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps({"time": time.time(), "event": event, "step": step}) + "\n")
+from examples.train import build_model, mark, synthetic_dataset
 
 
 def main() -> None:
@@ -60,14 +54,15 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if current == start and rank == 0:
-            mark(args.marks, "first_step_done", current + 1)
+        if rank == 0:
+            mark(args.marks, "first_step_done" if current == start else "step", current + 1,
+                 world_size=dist.get_world_size())
         if (current + 1) % args.interval_steps == 0 and rank == 0:
             args.dir.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": current + 1},
                        checkpoint.with_suffix(".tmp"))
             os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
-            mark(args.marks, "saved", current + 1)
+            mark(args.marks, "saved", current + 1, world_size=dist.get_world_size())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ world size. Data comes through `agent.ElasticSampler`: every optimizer step sees
 batch of samples (`--global-batch-size`) whatever the world size, with the gradient accumulation
 steps the agent hands over. When the job config names a checkpoint dir, it resumes (model,
 optimizer and data position) from the snapshot the agent chose and saves every
-`checkpoint.interval_steps` steps. `--crash-at-step S` makes rank 0
+`checkpoint.interval_steps` steps. With `--marks PATH`, rank 0 appends one JSON line per step
+(`mark`), as examples/classic_train.py does. `--crash-at-step S` makes rank 0
 fail at step S once per job (a marker file in the temp dir records it), to show the agent
 restarting its workers.
 """
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -41,7 +43,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
     parser.add_argument("--crash-at-step", type=int, default=None, help="rank 0 fails at this step, once per job")
+    parser.add_argument("--marks", default=None, help="rank 0 appends each step's mark (JSON lines) to this file")
     return parser.parse_args()
+
+
+def mark(path: str | os.PathLike[str], event: str, step: int, **fields: object) -> None:
+    """Append {"time", "event", "step", **fields} to ``path``: ``first_step_done`` for the first
+    step of a (re)started job, ``step`` for every other step, ``saved`` for a checkpoint."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), "event": event, "step": step, **fields}) + "\n")
 
 
 def build_model(width: int, device: torch.device, *, initialize: bool = True) -> nn.Module:
@@ -151,6 +161,8 @@ def main() -> None:
         dist.all_reduce(total)
         if ctx.rank == 0:
             print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+            if args.marks:
+                mark(args.marks, "first_step_done" if step == start else "step", step + 1, world_size=ctx.world_size)
         if args.log_samples:
             with open(args.log_samples, "a") as f:
                 f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "ids": ids}) + "\n")

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,50 +62,47 @@ def state_bytes(width: int) -> int:
     return params * 4 * 3
 
 
-class Cluster:
-    """K agents of one job, each in its own session so that a node's agent and workers are
-    signalled together."""
+class Nodes:
+    """The node processes of one job, each in its own session so that a node's agent and workers
+    are signalled together. Subclasses say how a node is launched (``command``)."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        self.args = args
+    script = "examples/train.py"
+    log_prefix = "node"
+
+    def __init__(self, work: Path, records: Path, env: dict[str, str]) -> None:
         self.work = work
-        self.events = work / "events.jsonl"
-        self.width = width_for(args.state_mb)
+        self.records = records
+        self.env = env
         self.nodes: dict[int, subprocess.Popen] = {}
-        self.config = work / "job.yaml"
-        conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
-                "keep_alive_max_attempt": 3}
-        self.config.write_text(yaml.safe_dump({
-            "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
-                    "max_restarts": 5, "monitor_interval": 0.1},
-            "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
-            "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps, "keep": 2},
-            "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
-            "observability": {"event_log": str(self.events)},
-        }))
+
+    def command(self, index: int) -> list[str]:
+        """The command line of node ``index``."""
+        raise NotImplementedError
 
     def start(self, index: int) -> None:
-        log = open(self.work / f"node{index}.log", "w")  # noqa: SIM115 (open for the node's lifetime)
-        self.nodes[index] = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
-             "examples/train.py",
-             "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
-             *getattr(self.args, "train_args", [])],
-            cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        """Start node ``index`` (again, for a node that comes back: its log is appended to)."""
+        log = open(self.work / f"{self.log_prefix}{index}.log", "a")  # noqa: SIM115 (open for the node's lifetime)
+        self.nodes[index] = subprocess.Popen(self.command(index), cwd=REPO, env=self.env, stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
 
-    def _host_flag(self, index: int) -> list[str]:
-        """With c10d, node 0 hosts the store, whichever agent gets to the port first."""
-        if self.args.backend != "c10d":
-            return []
-        return ["--rdzv-conf", f"is_host={'true' if index == 0 else 'false'}"]
+    def start_all(self, count: int) -> None:
+        """Start nodes 0 .. count - 1; node 0 first, so that it binds the c10d store."""
+        for index in range(count):
+            self.start(index)
+            time.sleep(0.5 if index == 0 else 0.1)
 
     def signal(self, index: int, sig: signal.Signals) -> None:
         """Signal a node: its agent and every worker (torch starts workers in sessions of their own)."""
         _signal_tree(self.nodes[index].pid, sig)
 
+    def kill(self, index: int) -> None:
+        """SIGKILL a node, agent and workers, and forget it."""
+        _kill_tree(self.nodes[index].pid)
+        self.nodes.pop(index).wait()
+
     def kill_worker(self, index: int) -> None:
-        workers = [p for p in psutil.Process(self.nodes[index].pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(self.nodes[index].pid).children(recursive=True)
+                   if self.script in " ".join(p.cmdline())]
         workers[-1].kill()
 
     def wait_done(self, timeout: float) -> list[int]:
@@ -113,20 +111,84 @@ class Cluster:
         return [proc.wait(timeout=max(1.0, deadline - time.time())) for proc in self.nodes.values()]
 
     def stop(self) -> None:
+        """Kill every node, frozen ones included, and reap them."""
         for proc in self.nodes.values():
             _signal_tree(proc.pid, signal.SIGCONT)
-            _signal_tree(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             proc.wait()
 
-    def wait_for(self, predicate, timeout: float, what: str) -> Any:
+    def wait_for(self, predicate: Callable[[list[dict]], Any], timeout: float, what: str,
+                 path: Path | None = None) -> Any:
+        """Poll the JSON-lines file ``path`` (default: this job's records) until ``predicate`` of
+        its lines is truthy, and return that; TimeoutError after ``timeout`` seconds."""
+        path = path or self.records
         deadline = time.time() + timeout
         while time.time() < deadline:
-            events = read_events(self.events) if self.events.exists() else []
-            found = predicate(events)
+            found = predicate(read_events(path) if path.exists() else [])
             if found:
                 return found
             time.sleep(0.2)
         raise TimeoutError(f"no {what} within {timeout:.0f} s; see the node logs in {self.work}")
+
+
+class Cluster(Nodes):
+    """K `torchrevive run` agents of one job training examples/train.py; its records are the
+    job's event log."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        super().__init__(work, work / "events.jsonl", job_env())
+        self.args = args
+        self.events = self.records
+        self.width = width_for(args.state_mb)
+        self.config = work / "job.yaml"
+        conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
+                "keep_alive_max_attempt": 3}
+        self.config.write_text(yaml.safe_dump({
+            "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
+                    "max_restarts": getattr(args, "max_restarts", 5), "monitor_interval": 0.1},
+            "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
+            "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps, "keep": 2},
+            "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
+            "observability": {"event_log": str(self.events)},
+        }))
+
+    def command(self, index: int) -> list[str]:
+        return [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
+                self.script, "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
+                *getattr(self.args, "train_args", [])]
+
+    def _host_flag(self, index: int) -> list[str]:
+        """With c10d, node 0 hosts the store, whichever agent gets to the port first."""
+        if self.args.backend != "c10d":
+            return []
+        return ["--rdzv-conf", f"is_host={'true' if index == 0 else 'false'}"]
+
+
+class ClassicCluster(Nodes):
+    """K plain torchrun agents training examples/classic_train.py (rank 0 torch.save, and on every
+    (re)start torch.load + broadcast); its records are the script's marks. ``unshared_store`` sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch that keeps workers off the rendezvous store
+    (whose stale keys hang restarted gloo workers in torch 2.13)."""
+
+    script = "examples/classic_train.py"
+    log_prefix = "baseline"
+
+    def __init__(self, args: argparse.Namespace, work: Path, endpoint: str, *, marks: Path | None = None,
+                 unshared_store: bool = False, max_restarts: int = 5) -> None:
+        env = {**job_env(), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared_store else {})}
+        super().__init__(work, marks or work / "baseline-steps.jsonl", env)
+        self.args = args
+        self.endpoint = endpoint
+        self.max_restarts = max_restarts
+        self.marks = self.records
+
+    def command(self, index: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.args.nodes}",
+                f"--nproc-per-node={self.args.nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-id=baseline-{os.getpid()}", f"--max-restarts={self.max_restarts}",
+                "--rdzv-conf=join_timeout=120", self.script, "--width", str(width_for(self.args.state_mb)),
+                "--dir", str(self.work / "baseline-ckpt"), "--interval-steps", str(self.args.interval_steps),
+                "--marks", str(self.marks)]
 
 
 def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
@@ -135,9 +197,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
     initial = args.nodes - 1 if scenarios[0] == "join" else args.nodes
     results = []
     try:
-        for index in range(initial):
-            cluster.start(index)
-            time.sleep(0.5 if index == 0 else 0.1)  # node 0 binds the c10d store first
+        cluster.start_all(initial)
         for scenario in scenarios:
             since = time.time()
             cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
@@ -151,8 +211,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 time.sleep(1.0)
             fault_at = time.time()
             if scenario in ("kill", "kill-during-save", "kill-during-restore"):
-                cluster.signal(fault, signal.SIGKILL)
-                cluster.nodes.pop(fault).wait()
+                cluster.kill(fault)
             elif scenario == "freeze":
                 cluster.signal(fault, signal.SIGSTOP)
             elif scenario == "join":
@@ -165,9 +224,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 cluster.wait_for(lambda ev, t=fault_at: [e for e in ev if e["event"] == "workers_started"
                                                           and e["time"] > t], args.timeout, "the recovery's workers")
                 fault_at = time.time()
-                second = max(cluster.nodes)
-                cluster.signal(second, signal.SIGKILL)
-                cluster.nodes.pop(second).wait()
+                cluster.kill(max(cluster.nodes))
             timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
                                         f"recovery after {scenario}")
             results.append({"scenario": scenario, **timeline})
@@ -185,61 +242,32 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
 
 def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
     """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s.
-    ``unshared_store`` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch that keeps workers
-    off the rendezvous store (whose stale keys hang restarted gloo workers in torch 2.13)."""
+    ``unshared_store``: see ClassicCluster."""
     work = work / ("baseline-unshared" if unshared_store else "baseline")
     work.mkdir(parents=True, exist_ok=True)
-    marks = work / "baseline-steps.jsonl"
-    env = {**job_env(), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared_store else {})}
-    width = width_for(args.state_mb)
-    procs = []
-    initial = args.nodes - 1 if scenario == "join" else args.nodes
-
-    def start(index: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{args.nodes}",
-             f"--nproc-per-node={args.nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.baseline_endpoint}",
-             f"--rdzv-id=baseline-{os.getpid()}", "--max-restarts=5", "--rdzv-conf=join_timeout=120",
-             "examples/classic_train.py", "--width", str(width), "--dir", str(work / "baseline-ckpt"),
-             "--interval-steps", str(args.interval_steps), "--marks", str(marks)],
-            cwd=REPO, env=env, stdout=open(work / f"baseline{index}.log", "w"),
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def marks_after(t: float) -> list[dict]:
-        return [m for m in (read_events(marks) if marks.exists() else []) if m["time"] > t]
-
+    cluster = ClassicCluster(args, work, args.baseline_endpoint, unshared_store=unshared_store)
     try:
-        for index in range(initial):
-            procs.append(start(index))
-            time.sleep(0.5 if index == 0 else 0.1)
-        deadline = time.time() + args.timeout
-        while not any(m["event"] == "saved" for m in marks_after(0)):
-            if time.time() > deadline:
-                raise TimeoutError(f"baseline: no checkpoint within {args.timeout:.0f} s; see {work}/baseline*.log")
-            time.sleep(0.2)
+        cluster.start_all(args.nodes - 1 if scenario == "join" else args.nodes)
+        cluster.wait_for(lambda marks: any(m["event"] == "saved" for m in marks), args.timeout, "baseline checkpoint")
         time.sleep(1.0)
         fault_at = time.time()
-        victim = procs[min(args.fault_node, len(procs) - 1)]
+        victim = min(args.fault_node, max(cluster.nodes))
         if scenario == "kill":
-            _signal_tree(victim.pid, signal.SIGKILL)
+            cluster.signal(victim, signal.SIGKILL)
         elif scenario == "freeze":
-            _signal_tree(victim.pid, signal.SIGSTOP)
+            cluster.signal(victim, signal.SIGSTOP)
         elif scenario == "join":
-            procs.append(start(len(procs)))
+            cluster.start(len(cluster.nodes))
         elif scenario == "kill-worker":
-            [p for p in psutil.Process(victim.pid).children(recursive=True) if "classic_train" in " ".join(p.cmdline())][-1].kill()
-        while time.time() < fault_at + args.cap_s:
-            resumed = [m for m in marks_after(fault_at) if m["event"] == "first_step_done"]
-            if resumed:
-                return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s}
-            time.sleep(0.2)
-        return {"recovery_s": None, "capped": True, "cap_s": args.cap_s}
+            cluster.kill_worker(victim)
+        try:
+            resumed = cluster.wait_for(lambda marks: [m for m in marks if m["event"] == "first_step_done"
+                                                      and m["time"] > fault_at], args.cap_s, "baseline recovery")
+        except TimeoutError:
+            return {"recovery_s": None, "capped": True, "cap_s": args.cap_s}
+        return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s}
     finally:
-        for proc in procs:
-            _signal_tree(proc.pid, signal.SIGCONT)
-            _signal_tree(proc.pid, signal.SIGKILL)
-            proc.wait()
+        cluster.stop()
 
 
 def _signal_tree(pid: int, sig: signal.Signals) -> None:
@@ -255,6 +283,13 @@ def _signal_tree(pid: int, sig: signal.Signals) -> None:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants; the process is stopped first, so that it cannot
+    start a new child between the listing of its tree and the kill."""
+    _signal_tree(pid, signal.SIGSTOP)
+    _signal_tree(pid, signal.SIGKILL)
 
 
 def job_env() -> dict[str, str]:

@@ -1,0 +1,240 @@
+"""Goodput under a schedule of node kills: the same job (examples/train.py's MLP, K nodes on
+127.0.0.1) run for the same time by each approach, with the same kills at the same times.
+
+    python scripts/bench_goodput.py --nodes 4 --state-mb 512 --duration-s 600 --kill-every-s 60 \\
+        --rejoin-after-s 20 --json out.json
+
+Every --kill-every-s seconds a node (never node 0, which hosts the c10d store; the victims
+rotate over the others that are up) is killed with SIGKILL, agent and workers, and comes back
+--rejoin-after-s seconds later as a joining node. Approaches (--approaches; one APPROACHES entry each):
+  fault_free           torchrevive, no faults: the reference
+  torchrevive_storage  torchrevive, storage snapshots only
+  torchrun_classic     plain torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
+                       examples/classic_train.py: rank 0 torch.load + broadcast
+All save every --interval-steps steps. Rank 0 of each job marks every step (examples/train.py
+`mark`). The clock starts at t0, the first step the job trains at its full world size (start-up
+is no one's cost), and each run is killed at t0 + duration.
+
+steps: the highest step completed by t0 + duration, less the step the job started from at t0.
+goodput: steps / the fault-free run's steps. A recovery is a restart of training (after a kill
+or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the highest
+step before it less the step it restored.
+
+JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
+"steps", "recoveries", "steps_lost", "recovery_details": [...], ...}}, "date", "machine", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from local_cluster import ClassicCluster, Cluster, Nodes, state_bytes, width_for
+from local_ports import free_port
+
+from agent.events import read_events
+
+MAX_RESTARTS = 1000
+"""torchrun's worker-failure restarts for every approach: more than any schedule's kills."""
+STEP_EVENTS = ("first_step_done", "step")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One entry of the schedule: at ``at_s`` seconds after t0, ``action`` node ``node``."""
+
+    at_s: float
+    action: str  # "kill" or "rejoin"
+    node: int
+
+
+@dataclass(frozen=True)
+class Approach:
+    """How one approach runs the job: ``launch(args, work, marks)`` gives its nodes, not yet
+    started, whose rank 0 marks every step in ``marks``; ``faults`` whether the schedule applies."""
+
+    launch: Callable[[argparse.Namespace, Path, Path], Nodes]
+    faults: bool = True
+
+
+def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """`torchrevive run` agents, storage snapshots every --interval-steps."""
+    job = argparse.Namespace(**vars(args), backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                             max_restarts=MAX_RESTARTS, train_args=["--marks", str(marks)])
+    return Cluster(job, work)
+
+
+def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """Plain torchrun agents with the classic restore."""
+    return ClassicCluster(args, work, f"127.0.0.1:{free_port()}", marks=marks, unshared_store=True,
+                          max_restarts=MAX_RESTARTS)
+
+
+# The memory tier's approach (torchrevive_memory) becomes one more entry once that tier exists.
+APPROACHES: dict[str, Approach] = {
+    "fault_free": Approach(torchrevive_nodes, faults=False),
+    "torchrevive_storage": Approach(torchrevive_nodes),
+    "torchrun_classic": Approach(classic_nodes),
+}
+
+
+def make_schedule(nodes: int, duration_s: float, kill_every_s: float, rejoin_after_s: float) -> list[Fault]:
+    """Kills at every multiple of ``kill_every_s`` before the end, each of the next node in the
+    rotation 1, 2, ..., nodes - 1, 1, ... that is up at the time (none when all are down), and
+    each killed node's rejoin ``rejoin_after_s`` later when that is before the end."""
+    faults: list[Fault] = []
+    back_at: dict[int, float] = {}
+    turn = 0
+    for k in range(1, math.ceil(duration_s / kill_every_s)):
+        at = k * kill_every_s
+        up = [node for node in (1 + (turn + i) % (nodes - 1) for i in range(nodes - 1)) if back_at.get(node, 0.0) <= at]
+        if not up:
+            continue
+        victim, turn = up[0], up[0] % (nodes - 1)
+        back_at[victim] = at + rejoin_after_s
+        faults.append(Fault(at, "kill", victim))
+        if back_at[victim] < duration_s:
+            faults.append(Fault(back_at[victim], "rejoin", victim))
+    return sorted(faults, key=lambda f: (f.at_s, f.action == "kill"))
+
+
+def full_world_start(world_size: int) -> Callable[[list[dict]], dict | None]:
+    """A predicate on marks: the first step of a job at ``world_size`` ranks."""
+    return lambda marks: next((m for m in marks if m["event"] == "first_step_done"
+                               and m["world_size"] == world_size), None)
+
+
+def run_approach(approach: Approach, args: argparse.Namespace, schedule: list[Fault], work: Path) -> dict[str, Any]:
+    """Run the job from its start to t0 + duration under the schedule; every node killed at the end."""
+    work.mkdir(parents=True)
+    marks = work / "marks.jsonl"
+    nodes = approach.launch(args, work, marks)
+    performed: list[tuple[Fault, float]] = []
+    try:
+        nodes.start_all(args.nodes)
+        start = nodes.wait_for(full_world_start(args.nodes * args.nproc_per_node), args.timeout,
+                               "first step at the full world size", path=marks)
+        t0 = start["time"]
+        for fault in schedule if approach.faults else []:
+            _sleep_until(t0 + fault.at_s)
+            if fault.action == "kill":
+                nodes.kill(fault.node)
+            else:
+                nodes.start(fault.node)
+            performed.append((fault, time.time()))
+        _sleep_until(t0 + args.duration_s)
+    finally:
+        nodes.stop()
+    return measure(read_events(marks), start, args.duration_s, performed)
+
+
+def _sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.time()))
+
+
+def measure(marks: list[dict], start: dict, duration_s: float, performed: list[tuple[Fault, float]]) -> dict[str, Any]:
+    """Steps, recoveries and steps lost from the marks of one run (see the module docstring)."""
+    t0 = start["time"]
+    steps = [m for m in marks if m["event"] in STEP_EVENTS and t0 <= m["time"] <= t0 + duration_s]
+    starts = [m for m in steps if m["event"] == "first_step_done" and m["time"] >= t0]
+    details = [recovery(restart, previous["time"], steps, performed, t0) for previous, restart in zip(starts, starts[1:])]
+    return {"steps": max(m["step"] for m in steps) - (start["step"] - 1),
+            "recoveries": len(details),
+            "steps_lost": sum(d["step_at_failure"] - d["step_restored"] for d in details),
+            "started_from_step": start["step"] - 1,
+            "faults": len(performed),
+            "recovery_details": details}
+
+
+def recovery(restart: dict, since: float, steps: list[dict], performed: list[tuple[Fault, float]],
+             t0: float) -> dict[str, Any]:
+    """One restart of training: the highest step before it, the step it restored, and the first
+    fault after the previous start (``since``), the one that interrupted training."""
+    before = [m["step"] for m in steps if m["time"] < restart["time"]]
+    cause = next(((fault, at) for fault, at in performed if since < at < restart["time"]), None)
+    return {"first_step_at_s": restart["time"] - t0,
+            "step_at_failure": max(before),
+            "step_restored": restart["step"] - 1,
+            "world_size": restart["world_size"],
+            "cause": asdict(cause[0]) if cause else None,
+            "recovery_s": restart["time"] - cause[1] if cause else None}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--state-mb", type=float, default=512)
+    parser.add_argument("--duration-s", type=float, default=600)
+    parser.add_argument("--kill-every-s", type=float, default=60)
+    parser.add_argument("--rejoin-after-s", type=float, default=20)
+    parser.add_argument("--interval-steps", type=int, default=50, help="storage snapshot interval, every approach")
+    parser.add_argument("--approaches", default=",".join(APPROACHES), help=f"comma-separated, of {', '.join(APPROACHES)}")
+    parser.add_argument("--timeout", type=float, default=300, help="give up when a job has not started after this long")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, marks, events, checkpoints)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="the work dir, kept (default: a new temporary one)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.approaches = args.approaches.split(",")
+    if unknown := [n for n in args.approaches if n not in APPROACHES]:
+        parser.error(f"--approaches: unknown {', '.join(unknown)}; choose from {', '.join(APPROACHES)}")
+    if "fault_free" not in args.approaches:
+        parser.error("--approaches must include fault_free: goodput is relative to it")
+    if args.nodes < 2:
+        parser.error("--nodes must be >= 2: node 0 hosts the c10d store and is never killed")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that every node is stopped
+    schedule = make_schedule(args.nodes, args.duration_s, args.kill_every_s, args.rejoin_after_s)
+    keep = args.keep or args.work_dir is not None
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="torchrevive-goodput-"))
+    try:
+        results = {name: run_approach(APPROACHES[name], args, schedule, work / name) for name in args.approaches}
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for result in results.values():
+        result["goodput"] = result["steps"] / results["fault_free"]["steps"]  # >= 1: t0's step counts
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report(args, schedule, results, work if keep else None), indent=2))
+
+
+def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, dict[str, Any]],
+           work: Path | None) -> dict[str, Any]:
+    """The JSON report: the contract's fields, the run's settings, the schedule, date and machine."""
+    return {"duration_s": args.duration_s, "results": results, "schedule": [asdict(f) for f in schedule],
+            "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
+            "interval_steps": args.interval_steps, "kill_every_s": args.kill_every_s, "rejoin_after_s": args.rejoin_after_s,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": importlib.metadata.version("torch")},
+            "work_dir": str(work) if work else None}
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    print(f"{'approach':22s} {'steps':>7s} {'goodput':>8s} {'recoveries':>10s} {'steps lost':>10s} {'mean recovery s':>15s}")
+    for name, r in results.items():
+        times = [d["recovery_s"] for d in r["recovery_details"] if d["recovery_s"] is not None]
+        mean = f"{sum(times) / len(times):.1f}" if times else "-"
+        print(f"{name:22s} {r['steps']:7d} {r['goodput']:8.3f} {r['recoveries']:10d} {r['steps_lost']:10d} {mean:>15s}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The goodput benchmark's short form: 3 real nodes, one kill, the fault-free and storage
+approaches; the JSON keeps its contract and no process outlives the script. Speed is measured by
+the script itself (scripts/bench_goodput.py), never here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+from conftest import REPO, worker_env
+
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_goodput import Fault, make_schedule, measure
+
+DURATION_S = 60
+KILL_AT_S = 30
+"""One kill, 30 s into the run: on a loaded 2-core machine a recovery takes 7-20 s."""
+
+
+def test_the_schedule_rotates_over_live_nodes_and_spares_node_0():
+    assert make_schedule(4, 100, 20, 10) == [
+        Fault(20, "kill", 1), Fault(30, "rejoin", 1), Fault(40, "kill", 2), Fault(50, "rejoin", 2),
+        Fault(60, "kill", 3), Fault(70, "rejoin", 3), Fault(80, "kill", 1), Fault(90, "rejoin", 1)]
+    # With both other nodes down at 30 s, that kill is skipped; a rejoin is only scheduled before the end.
+    assert make_schedule(3, 50, 10, 25) == [Fault(10, "kill", 1), Fault(20, "kill", 2), Fault(35, "rejoin", 1),
+                                            Fault(40, "kill", 1), Fault(45, "rejoin", 2)]
+
+
+def test_steps_recoveries_and_steps_lost_from_the_marks():
+    def mark(t, step, first=False, world=3):
+        return {"time": 1000.0 + t, "event": "first_step_done" if first else "step", "step": step, "world_size": world}
+
+    marks = [mark(-5, 1, True, 2), mark(-4, 2, world=2),  # a smaller world before t0: not timed
+             mark(0, 1, True), *[mark(t, t + 1) for t in range(1, 12)],  # trained to step 12, killed at 12 s
+             mark(15, 11, True, 2), mark(16, 12, world=2), mark(17, 13, world=2),  # restored step 10
+             mark(30, 14, world=2)]  # after the end
+    performed = [(Fault(12, "kill", 1), 1012.0)]
+    result = measure(marks, marks[2], 20, performed)
+    assert (result["steps"], result["recoveries"], result["steps_lost"]) == (13, 1, 2)
+    (recovery,) = result["recovery_details"]
+    assert recovery["cause"] == {"at_s": 12, "action": "kill", "node": 1} and recovery["recovery_s"] == 3.0
+
+
+def test_bench_goodput_writes_its_contract_and_leaves_no_process(tmp_path):
+    out = tmp_path / "goodput.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_goodput.py", "--nodes", "3", "--state-mb", "4", "--duration-s", str(DURATION_S),
+         "--kill-every-s", str(KILL_AT_S), "--rejoin-after-s", "1000", "--approaches", "fault_free,torchrevive_storage",
+         "--work-dir", str(tmp_path / "work"), "--json", str(out)],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["duration_s"] == DURATION_S
+    assert report["schedule"] == [{"at_s": KILL_AT_S, "action": "kill", "node": 1}]  # never node 0; no rejoin in time
+    assert set(report["results"]) == {"fault_free", "torchrevive_storage"}
+    for name, result in report["results"].items():
+        assert isinstance(result["steps"], int) and result["steps"] > 0, (name, result)
+        assert 0 < result["goodput"] <= 1.5 and result["steps_lost"] >= 0, (name, result)
+    assert report["results"]["fault_free"]["goodput"] == 1.0
+    storage = report["results"]["torchrevive_storage"]
+    assert storage["recoveries"] == 1 and storage["faults"] == 1
+    (recovery,) = storage["recovery_details"]
+    assert recovery["cause"]["action"] == "kill" and recovery["world_size"] == 2
+    assert 0 <= recovery["step_at_failure"] - recovery["step_restored"] == storage["steps_lost"]
+    work = str(tmp_path / "work")
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if work in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers
