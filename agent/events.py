@@ -1,7 +1,7 @@
 """Recovery events: one JSON object a line, appended to the job's event log.
 
 Every event carries ``time`` (wall clock, seconds since the epoch), ``event``, ``node`` and, from a
-worker, ``rank`` and ``restart`` (torchrun's restart count), plus its own fields. Agents and workers of all
+worker, ``rank``, ``restart`` (torchrun's restart count) and ``pid``, plus its own fields. Agents and workers of all
 nodes may append to one file: each event is a single ``write`` to a file opened with O_APPEND,
 so lines never interleave.
 """
@@ -32,7 +32,7 @@ class EventLog:
         """The event log of this rank, as its agent configured it (TORCHREVIVE_EVENT_LOG)."""
         ctx = ctx or WorkerContext.from_env()
         return cls(ctx.event_log, node=f"{socket.gethostname()}/{ctx.group_rank}", rank=ctx.rank,
-                   restart=ctx.restart_count)
+                   restart=ctx.restart_count, pid=os.getpid())
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return it."""
