@@ -66,16 +66,18 @@ class EtcdServer:
         name, initial_cluster: its member name and the whole cluster's ``name=peer-url`` list
             (default: a cluster of this member alone).
         tls: serve clients over TLS with these files, and ask for client certificates.
+        host: the address it listens on (clients and peers), e.g. a bridge's for namespaced nodes.
     """
 
     def __init__(self, data_dir: Path, *, name: str = "default", initial_cluster: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, host: str = "127.0.0.1") -> None:
         self.data_dir = Path(data_dir)
+        self.host = host
         self.name = name
         self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.peer_url = f"http://127.0.0.1:{self.peer_port}"
+        self.endpoint = f"{host}:{self.client_port}"
+        self.peer_url = f"http://{host}:{self.peer_port}"
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self._proc: subprocess.Popen | None = None
 
@@ -100,7 +102,7 @@ class EtcdServer:
                 code = None if self._proc is None else self._proc.returncode
                 raise RuntimeError(f"etcd {self.name} exited with {code}; see {self.data_dir.with_suffix('.log')}")
             try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5):
+                with socket.create_connection((self.host, self.client_port), timeout=0.5):
                     return
             except OSError:
                 time.sleep(0.1)
@@ -135,9 +137,9 @@ class EtcdCluster:
     """``members`` etcd members forming one cluster on 127.0.0.1; ``endpoint`` lists every member's
     client address, comma-separated, as ``--rdzv-endpoint`` takes them."""
 
-    def __init__(self, work: Path, members: int = 3, *, tls: TlsFiles | None = None) -> None:
+    def __init__(self, work: Path, members: int = 3, *, tls: TlsFiles | None = None, host: str = "127.0.0.1") -> None:
         work.mkdir(parents=True, exist_ok=True)
-        self.members = [EtcdServer(work / f"member{i}", name=f"member{i}", tls=tls) for i in range(members)]
+        self.members = [EtcdServer(work / f"member{i}", name=f"member{i}", tls=tls, host=host) for i in range(members)]
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for member in self.members:
             member.initial_cluster = cluster
@@ -152,6 +154,23 @@ class EtcdCluster:
     def stop(self) -> None:
         for member in self.members:
             member.stop()
+
+    def leader(self) -> EtcdServer:
+        """The member that leads the cluster now (asked of each live member's status)."""
+        from agent.rendezvous import etcd3_backend  # noqa: F401 (torch's rendezvous first: see its imports)
+        from agent.rendezvous.etcd3_client import import_etcd3
+
+        etcd3 = import_etcd3()
+        for member in self.members:
+            if member._proc is None:
+                continue
+            with etcd3.client(host=member.host, port=member.client_port, timeout=5) as client:
+                leader_id = client.status().leader.id
+                for other in self.members:
+                    if other.peer_url in client.status().leader.peer_urls:
+                        return other
+                raise RuntimeError(f"etcd leader {leader_id:x} is none of this cluster's members")
+        raise RuntimeError("no etcd member runs")
 
     def __enter__(self) -> EtcdCluster:
         self.start()
