@@ -12,6 +12,15 @@ Scenarios (several, comma-separated, run in sequence on the same job):
   kill-worker  SIGKILL one worker process of a node
   kill-during-save     SIGKILL a node while an async save is being written
   kill-during-restore  SIGKILL a node, then another while the survivors restore
+With --netns, each node runs in a network namespace of its own (scripts/netns.py: addresses
+198.18.0.1.. on one bridge, no route out; needs root), and network faults are possible:
+  partition    cut the node's link for --partition-s s, then heal it: the others go on without it,
+               it commits and serves nothing while cut, and rejoins as a new node once healed
+  slow-link    delay (and drop, where the kernel has netem) the node's packets for --slow-s s:
+               training goes on, and no node is declared lost
+  store-host   SIGKILL node 0 (the c10d store host): c10d's fate is reported, etcd3 recovers
+  etcd-leader  (etcd3, with an etcd cluster of 3 this script starts) SIGKILL etcd's leader:
+               training goes on with no restart, and no committed snapshot is lost
 Node 0 is started first and hosts the c10d store; the fault hits node --fault-node (default the
 last). `--baseline` runs the same scenario with plain torchrun and the classic restore (rank 0
 torch.load + broadcast, examples/classic_train.py), capped at --cap-s.
@@ -19,7 +28,8 @@ torch.load + broadcast, examples/classic_train.py), capped at --cap-s.
 JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
 "world_size_before", "world_size_after", "phases": {detect, rendezvous, workers_start, restore,
 first_step}}, "baseline": {"recovery_s", "capped", "cap_s"}}; with several scenarios, "runs" holds
-one such torchrevive result per scenario.
+one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
+fault's run holds its checks, and "ok" when all hold.
 """
 
 from __future__ import annotations
@@ -136,7 +146,13 @@ class Cluster(Nodes):
     job's event log."""
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        super().__init__(work, work / "events.jsonl", job_env())
+        self.network = getattr(args, "network", None)
+        env = job_env()
+        if self.network is not None:  # the same link name in every namespace
+            from netns import LINK
+
+            env["GLOO_SOCKET_IFNAME"] = LINK
+        super().__init__(work, work / "events.jsonl", env)
         self.args = args
         self.events = self.records
         self.width = width_for(args.state_mb)
@@ -153,9 +169,19 @@ class Cluster(Nodes):
         }))
 
     def command(self, index: int) -> list[str]:
-        return [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
-                self.script, "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width", str(self.width),
-                *getattr(self.args, "train_args", [])]
+        local = [] if self.network is None else ["--local-addr", self.network.address(index)]
+        command = [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
+                   *local, self.script, "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width",
+                   str(self.width), *getattr(self.args, "train_args", [])]
+        return command if self.network is None else self.network.wrap(index, command)
+
+    def pids(self, index: int) -> set[int]:
+        """Node ``index``'s agent and workers, as they are now."""
+        try:
+            root = psutil.Process(self.nodes[index].pid)
+            return {root.pid, *(p.pid for p in root.children(recursive=True))}
+        except (psutil.NoSuchProcess, KeyError):
+            return set()
 
     def _host_flag(self, index: int) -> list[str]:
         """With c10d, node 0 hosts the store, whichever agent gets to the port first."""
@@ -203,6 +229,10 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
                              args.timeout, "committed snapshot")
             fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
+            if scenario in NETWORK_SCENARIOS:
+                results.append(NETWORK_SCENARIOS[scenario](cluster, args, fault))
+                print(f"{scenario:12s} " + json.dumps(results[-1]), flush=True)
+                continue
             if scenario == "kill-during-save":  # while an async save is being written
                 waiting = time.time()
                 cluster.wait_for(lambda ev, t=waiting: [e for e in ev if e["event"] == "save_started" and e["time"] > t],
@@ -210,7 +240,9 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             else:
                 time.sleep(1.0)
             fault_at = time.time()
-            if scenario in ("kill", "kill-during-save", "kill-during-restore"):
+            if scenario == "store-host":
+                fault = 0
+            if scenario in ("kill", "kill-during-save", "kill-during-restore", "store-host"):
                 cluster.kill(fault)
             elif scenario == "freeze":
                 cluster.signal(fault, signal.SIGSTOP)
@@ -225,6 +257,10 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                                                           and e["time"] > t], args.timeout, "the recovery's workers")
                 fault_at = time.time()
                 cluster.kill(max(cluster.nodes))
+            if scenario == "store-host":
+                results.append(store_host_outcome(cluster, args, fault_at))
+                print(f"{scenario:12s} " + json.dumps(results[-1]), flush=True)
+                continue
             timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
                                         f"recovery after {scenario}")
             results.append({"scenario": scenario, **timeline})
@@ -238,6 +274,108 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
     finally:
         cluster.stop()
     return results
+
+
+def _events_between(cluster: Cluster, start: float, end: float, names: set[str]) -> list[dict]:
+    return [e for e in read_events(cluster.events) if start <= e["time"] <= end and e["event"] in names]
+
+
+def partition(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
+    """Cut node ``fault``'s link; the others recover without it; heal it after --partition-s; it
+    rejoins as a new node. Checks that its processes recorded nothing of a round while cut."""
+    network = cluster.network
+    address, pids = network.address(fault), cluster.pids(fault)
+    cut_at = time.time()
+    network.cut(fault)
+    try:
+        survivors = cluster.wait_for(lambda ev: recovery_after(ev, cut_at, failed_at=cut_at), args.timeout,
+                                     "the survivors' recovery")
+        while time.time() < cut_at + args.partition_s:
+            pids |= cluster.pids(fault)
+            time.sleep(0.2)
+        pids |= cluster.pids(fault)
+    finally:
+        network.heal(fault)
+    healed_at = time.time()
+    stale = [e for e in _events_between(cluster, cut_at, healed_at, STALE_WORK)
+             if e.get("pid") in pids or str(e.get("node", "")).startswith(f"{address}_")]
+    rejoin = cluster.wait_for(lambda ev: recovery_after(ev, healed_at), args.timeout, "the healed node's rejoin")
+    ok = (not stale and survivors["world_size_after"] < survivors["world_size_before"]
+          and rejoin["world_size_after"] == survivors["world_size_before"])
+    return {"scenario": "partition", **survivors, "partition_s": healed_at - cut_at, "rejoin": rejoin,
+            "work_while_cut": stale, "committed_while_cut": any(e["event"] == "save_committed" for e in stale),
+            "ok": ok}
+
+
+STALE_WORK = {"save_started", "save_committed", "rendezvous_done", "workers_started", "first_step_done",
+              "restore_done"}
+"""Events a cut-off node must not record: it takes part in no round while it cannot be reached."""
+
+
+def _steady(cluster: Cluster, args: argparse.Namespace, seconds: float) -> dict:
+    """Watch the job for ``seconds``: commits made and membership changes recorded meanwhile."""
+    start = time.time()
+    time.sleep(seconds)
+    changes = _events_between(cluster, start, time.time(), {"membership_change"})
+    commits = _events_between(cluster, start, time.time(), {"save_committed"})
+    return {"seconds": seconds, "commits": len(commits), "steps": [e["step"] for e in commits],
+            "membership_changes": [{k: e.get(k) for k in ("cause", "lost", "node")} for e in changes]}
+
+
+def slow_link(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
+    """Delay (and drop) node ``fault``'s packets for --slow-s: training goes on, no node is lost."""
+    applied = cluster.network.slow(fault, args.slow_delay_ms, args.slow_loss_pct)
+    try:
+        watched = _steady(cluster, args, args.slow_s)
+    finally:
+        cluster.network.unslow(fault)
+    false_losses = [c for c in watched["membership_changes"] if c["cause"] in ("node_lost", "node_hung")]
+    return {"scenario": "slow-link", "shaping": applied, **watched, "false_node_lost": len(false_losses),
+            "ok": not false_losses and watched["commits"] > 0}
+
+
+def etcd_leader(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
+    """SIGKILL the etcd cluster's leader: training goes on with no restart, every snapshot stays."""
+    etcd = getattr(args, "etcd_cluster", None)
+    if etcd is None:
+        raise SystemExit("--scenario etcd-leader needs --backend etcd3 with the etcd cluster this script starts")
+    from agent.checkpoint.dirs import committed_snapshots
+
+    checkpoints = Path(cluster.work / "checkpoints")
+    before = {str(path) for _, path in committed_snapshots(checkpoints)}
+    leader = etcd.leader()
+    killed_at = time.time()
+    leader.kill()
+    watched = _steady(cluster, args, args.slow_s)
+    after = [e for e in _events_between(cluster, killed_at, time.time(), {"save_committed"})]
+    kept = {str(path) for _, path in committed_snapshots(checkpoints)}
+    # retention may prune old snapshots once newer ones commit; "lost" is one pruned with none newer
+    newest_before = max((int(Path(p).name.split("_")[-1]) for p in before), default=-1)
+    lost = [p for p in before if p not in kept] if not after else []
+    ok = not watched["membership_changes"] and watched["commits"] > 0 and not lost
+    return {"scenario": "etcd-leader", "leader": leader.name, **watched, "newest_step_before": newest_before,
+            "snapshots_lost": lost, "ok": ok}
+
+
+def store_host_outcome(cluster: Cluster, args: argparse.Namespace, fault_at: float) -> dict:
+    """After node 0 (the c10d store host) is killed: recovered or not within --store-host-wait-s,
+    and what the survivors recorded. Under c10d the store dies with it (see the README)."""
+    try:
+        timeline = cluster.wait_for(lambda ev: recovery_after(ev, fault_at, failed_at=fault_at),
+                                    args.store_host_wait_s, "recovery after the store host's death")
+    except TimeoutError:
+        timeline = None
+    alive = [index for index, proc in cluster.nodes.items() if proc.poll() is None]
+    seen = _events_between(cluster, fault_at, time.time(), {"membership_change", "rendezvous_done",
+                                                            "first_step_done"})
+    return {"scenario": "store-host", "recovered": timeline is not None, **(timeline or {}),
+            "waited_s": time.time() - fault_at, "agents_alive": alive,
+            "agent_exit_codes": {i: p.returncode for i, p in cluster.nodes.items() if p.poll() is not None},
+            "events_after": sorted({e["event"] for e in seen}), "ok": timeline is not None or args.backend == "c10d"}
+
+
+NETWORK_SCENARIOS: dict[str, Callable[[Cluster, argparse.Namespace, int], dict]] = {
+    "partition": partition, "slow-link": slow_link, "etcd-leader": etcd_leader}
 
 
 def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
@@ -300,6 +438,37 @@ def job_env() -> dict[str, str]:
     return env
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_in_network(args: argparse.Namespace, work: Path, stack: contextlib.ExitStack) -> list[dict]:
+    """The rendezvous service (an etcd this script starts, unless given) and, with --netns, the
+    namespaces (removed when ``stack`` closes); then the scenarios."""
+    args.network = None
+    host = "127.0.0.1"
+    if args.netns:
+        from netns import BRIDGE_ADDRESS, Network, NetnsError
+
+        try:
+            args.network = stack.enter_context(Network(args.nodes + 1))  # one spare for a joining node
+        except NetnsError as exc:
+            raise SystemExit(f"--netns: {exc}") from exc
+        args.addresses = args.network.addresses[:args.nodes]
+        host = BRIDGE_ADDRESS  # etcd listens on the bridge, reachable from every namespace
+    if args.backend == "etcd3" and not args.rdzv_endpoint:
+        from etcd_server import EtcdCluster, EtcdServer
+
+        if "etcd-leader" in args.scenario.split(","):
+            args.etcd_cluster = stack.enter_context(EtcdCluster(work / "etcd", 3, host=host))
+            args.rdzv_endpoint = args.etcd_cluster.endpoint
+        else:
+            args.rdzv_endpoint = stack.enter_context(EtcdServer(work / "etcd-data", host=host)).endpoint
+    if not args.rdzv_endpoint:
+        args.rdzv_endpoint = f"{args.network.address(0) if args.network else '127.0.0.1'}:{free_port()}"
+    return run_scenarios(args, work)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
@@ -318,23 +487,34 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--netns", action="store_true", help="each node in a network namespace of its own (root)")
+    parser.add_argument("--partition-s", type=float, default=15, help="partition: how long the link stays cut")
+    parser.add_argument("--slow-s", type=float, default=20, help="slow-link, etcd-leader: how long the job is watched")
+    parser.add_argument("--slow-delay-ms", type=float, default=100)
+    parser.add_argument("--slow-loss-pct", type=float, default=1)
+    parser.add_argument("--store-host-wait-s", type=float, default=90,
+                        help="store-host: how long to wait for a recovery before calling it none")
     args = parser.parse_args()
+    scenarios = args.scenario.split(",")
+    if {"partition", "slow-link"} & set(scenarios) and not args.netns:
+        parser.error("--scenario partition and slow-link need --netns")
+    if "etcd-leader" in scenarios and args.backend != "etcd3":
+        parser.error("--scenario etcd-leader needs --backend etcd3")
     if args.fault_node is None:
         args.fault_node = args.nodes - 1
     if args.backend == "c10d" and args.fault_node == 0:
         parser.error("--fault-node 0 hosts the c10d store: faulting it ends the job's rendezvous (use --backend etcd3)")
     args.baseline_endpoint = f"127.0.0.1:{free_port()}"
     work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
+    # SIGTERM unwinds like SIGINT, so that every node is killed and every namespace removed.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
-        if args.backend == "etcd3" and not args.rdzv_endpoint:
-            from etcd_server import EtcdServer
-
-            args.rdzv_endpoint = stack.enter_context(EtcdServer(work / "etcd-data")).endpoint
-        args.rdzv_endpoint = args.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-        runs = run_scenarios(args, work)
+        runs = run_in_network(args, work, stack)
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
                               "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
                               "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None}
+    if args.netns:
+        report["addresses"] = args.addresses
     if args.baseline:
         report["baseline"] = run_baseline(args, work, args.scenario.split(",")[0])
         base = report["baseline"]
