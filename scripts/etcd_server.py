@@ -6,10 +6,12 @@ stopped and started again on the same data."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +127,12 @@ class EtcdServer:
             self._proc.wait(timeout=30)
         self._proc = None
 
+    def member_id(self) -> str:
+        """This member's id as etcd's JSON gateway writes it (a decimal string)."""
+        request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return json.load(answer)["header"]["member_id"]
+
     def __enter__(self) -> EtcdServer:
         self.start()
         return self
@@ -156,21 +164,21 @@ class EtcdCluster:
             member.stop()
 
     def leader(self) -> EtcdServer:
-        """The member that leads the cluster now (asked of each live member's status)."""
-        from agent.rendezvous import etcd3_backend  # noqa: F401 (torch's rendezvous first: see its imports)
-        from agent.rendezvous.etcd3_client import import_etcd3
-
-        etcd3 = import_etcd3()
+        """The member that leads the cluster now, from a live member's status (etcd's JSON gateway;
+        plain clusters only)."""
         for member in self.members:
-            if member._proc is None:
+            if member._proc is None or member.tls is not None:
                 continue
-            with etcd3.client(host=member.host, port=member.client_port, timeout=5) as client:
-                leader_id = client.status().leader.id
-                for other in self.members:
-                    if other.peer_url in client.status().leader.peer_urls:
-                        return other
-                raise RuntimeError(f"etcd leader {leader_id:x} is none of this cluster's members")
-        raise RuntimeError("no etcd member runs")
+            request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}",
+                                             method="POST")
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                status = json.load(answer)
+            leader_id = status["leader"]
+            for other in self.members:
+                if other._proc is not None and other.member_id() == leader_id:
+                    return other
+            raise RuntimeError(f"etcd leader {leader_id} is none of this cluster's live members")
+        raise RuntimeError("no plain etcd member runs")
 
     def __enter__(self) -> EtcdCluster:
         self.start()
