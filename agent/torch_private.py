@@ -6,6 +6,7 @@ because these names may have changed there (the tests then tell what broke).
 from __future__ import annotations
 
 import contextlib
+import socket
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,6 +58,25 @@ def bind_shared_store(handler: DynamicRendezvousHandler, make_store: Callable[[s
 
 
 def hosts_c10d_store(host: str) -> bool:
-    """Whether torch's c10d backend would host its store here when ``is_host`` is not given: the
-    endpoint's host is this machine (its hostname, or one of its addresses)."""
-    return _matches_machine_hostname(host)
+    """Whether this node hosts the c10d backend's store when ``is_host`` is not given: the
+    endpoint's host is this machine. torch asks only whether it is the hostname or an address the
+    hostname resolves to; an address of this machine's interfaces that the hostname does not name
+    (a second NIC, a network namespace of its own) is also here."""
+    return _matches_machine_hostname(host) or _is_local_address(host)
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` resolves to an address of this machine's (network namespace's)
+    interfaces: a socket binds to it (the kernel refuses a foreign address)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((address[0], 0, *address[2:]))
+            except OSError:
+                continue
+            return True
+    return False
