@@ -6,7 +6,8 @@ from __future__ import annotations
 import io
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -130,21 +131,22 @@ def restore(
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     striping = replicated == "stripe" and world_size > 1
     plan = _Plan()
-    manifest = manifest_for_rank(load_metadata(root), rank)
-    files = SnapshotFiles(root)
-    try:
-        statefuls = [
-            _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
-                           trust_pickles=trust_pickles, strict=strict)
-            for key, obj in app_state.items()
-        ]
-        checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
-        for stateful, logical_path, entry in plan.objects:
-            stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
-        bytes_read = _read(root, plan, files, checks, io_threads=io_threads or default_io_threads(),
-                           pinned_bytes=pinned_mb << 20)
-    finally:
-        files.close()
+    with _together(striping, root):
+        manifest = manifest_for_rank(load_metadata(root), rank)
+        files = SnapshotFiles(root)
+        try:
+            statefuls = [
+                _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
+                               trust_pickles=trust_pickles, strict=strict)
+                for key, obj in app_state.items()
+            ]
+            checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
+            for stateful, logical_path, entry in plan.objects:
+                stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+            bytes_read = _read(root, plan, files, checks, io_threads=io_threads or default_io_threads(),
+                               pinned_bytes=pinned_mb << 20)
+        finally:
+            files.close()
     exchanged = _exchange_stripes(plan.striped, world_size)
     for stateful in statefuls:
         state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
@@ -165,6 +167,35 @@ def _read(root: Path, plan: _Plan, files: SnapshotFiles, checks: list, *, io_thr
     except OSError as exc:
         raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
                            "overwritten and no state was loaded: restore again or from another snapshot") from exc
+
+
+@contextmanager
+def _together(enabled: bool, root: Path) -> Iterator[None]:
+    """With ``enabled`` (a striped restore, whose stripe exchange is a sequence of collectives),
+    every rank learns whether the block failed on any rank before any rank goes on: a rank-local
+    failure (a checksum mismatch in its stripe) raises on every rank, so all ranks leave the
+    restore together and meet again in the caller's next collective (the Checkpointer's
+    fallback) instead of in mismatched ones."""
+    if not enabled:
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:
+        _all_errors(f"{type(exc).__name__}: {exc}")
+        raise
+    failed = [(rank, error) for rank, error in enumerate(_all_errors(None)) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise RestoreError(f"{root}: rank {rank} failed to restore its share ({error}); no rank exchanged stripes "
+                           "or loaded state: restore again or from another snapshot")
+
+
+def _all_errors(error: str | None) -> list[str | None]:
+    """Every rank's error (None for success), in rank order."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
 
 
 def _restore_dcp(root: Path, app_state: Mapping[str, Any], *, io_threads: int | None, started: float) -> RestoreStats:
