@@ -21,7 +21,7 @@ from agent.checkpoint import Checkpointer
 from agent.checkpoint.checksums import ChecksumError, block_checks, load_checksums
 from agent.restore.manifest import StoredChunk, StoredTensor, load_metadata, manifest_for_rank, stored_tensor
 from agent.restore.plan import Box, plan_copies
-from agent.restore.reader import IOV_MAX, SKIP_BYTES, SnapshotFiles, read_ops, staging_layout
+from agent.restore.reader import IOV_MAX, SKIP_BYTES, SMALL_RUN_BYTES, SnapshotFiles, read_ops, staging_layout
 
 
 def stored_in_files(root: Path, values: torch.Tensor, boxes: list[Box], rng: random.Random) -> StoredTensor:
@@ -65,7 +65,7 @@ def test_random_boxes_into_dense_and_strided_destinations(tmp_path, seed):
     """Stored in one grid, restored in another (dense runs, rows of columns, transposed
     destinations): every element lands where plain slicing puts it."""
     rng = random.Random(seed)
-    shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))
+    shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(0, 2))) + (rng.choice([rng.randint(1, 40), 300]),)
     values = torch.randn(shape)
     stored = stored_in_files(tmp_path, values, grid(shape, rng), rng)
     targets = grid(shape, rng)
@@ -76,9 +76,11 @@ def test_random_boxes_into_dense_and_strided_destinations(tmp_path, seed):
         assert torch.equal(got, values[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
 
 
-@pytest.mark.parametrize("shape, columns", [((3 * IOV_MAX, 40), (3, 13)), ((6, SKIP_BYTES // 2), (5, 900))])
-def test_columns_of_many_rows_and_of_long_rows(tmp_path, shape, columns):
-    """More rows than one preadv takes, and gaps between rows too long to read through."""
+@pytest.mark.parametrize("shape, columns", [((3 * IOV_MAX, 200), (3, 173)), ((6, SKIP_BYTES // 2), (5, 900)),
+                                            ((60, 40_000), (7, 7 + SMALL_RUN_BYTES // 8))])
+def test_columns_of_many_rows_of_long_rows_and_of_short_runs(tmp_path, shape, columns):
+    """More runs than one preadv takes; gaps too long to read through; runs too short to read
+    one by one, over several slabs."""
     values = torch.randn(shape)
     stored = stored_in_files(tmp_path, values, [Box((0, 0), shape)], random.Random(0))
     target = Box((0, columns[0]), (shape[0], columns[1] - columns[0]))

@@ -29,13 +29,18 @@ from pathlib import Path
 import torch
 
 from agent.errors import RestoreError
-from agent.restore.plan import CopyOp, split_op
+from agent.restore.plan import CopyOp, narrow_op, split_op
 
 IOV_MAX = 1024
 """Buffers per ``preadv`` call (Linux's UIO_MAXIOV)."""
 SKIP_BYTES = 64 << 10
 """Gaps between the rows of a strided copy up to this size are read into a scratch buffer (one
 call for many rows); larger gaps start a new read."""
+SMALL_RUN_BYTES = 512
+"""Strided copies with contiguous runs shorter than this read their whole byte span, a slab of
+rows at a time, and copy the elements out of it: one buffer per run would cost more than the
+gaps. Longer runs are gathered straight into the destination."""
+SLAB_BYTES = 4 << 20
 DEFAULT_PINNED_MB = 256
 """Pinned host memory a rank may use to stage CUDA destinations, unless told otherwise."""
 MAX_STAGING_BYTES = 16 << 20
@@ -61,11 +66,11 @@ def default_io_threads() -> int:
 
 
 class SnapshotFiles:
-    """The snapshot's files, each opened once (read-only) and lazily, shared by the threads."""
+    """The snapshot's files, opened read-only and lazily (once per reading thread)."""
 
     def __init__(self, root: Path) -> None:
         self._root = root
-        self._fds: dict[str, int] = {}
+        self._fds: dict[tuple[int, str], int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -81,15 +86,18 @@ class SnapshotFiles:
         return self._sizes[location]
 
     def fd(self, location: str) -> int:
-        """A read-only descriptor of the file; StorageReadError naming it when it cannot be opened."""
+        """This thread's read-only descriptor of the file (one per thread: the kernel keeps its
+        readahead state per open file, and threads reading apart would confuse a shared one);
+        StorageReadError naming the file when it cannot be opened."""
+        key = (threading.get_ident(), location)
         with self._lock:
-            if location not in self._fds:
+            if key not in self._fds:
                 try:
-                    self._fds[location] = os.open(self.path(location), os.O_RDONLY | os.O_CLOEXEC)
+                    self._fds[key] = os.open(self.path(location), os.O_RDONLY | os.O_CLOEXEC)
                 except OSError as exc:
                     raise StorageReadError(location, f"{self.path(location)}: cannot be opened ({exc.strerror}) "
                                            "while being restored") from None
-            return self._fds[location]
+            return self._fds[key]
 
     def read_into(self, location: str, offset: int, buffers: list[memoryview]) -> None:
         """Fill ``buffers`` with the file's bytes from ``offset`` on; StorageReadError naming the
@@ -203,16 +211,33 @@ def copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> No
         dst.copy_(whole.reshape(chunk.sizes)[_region(op.src_start, op.sizes)])
         return
     runs = _runs(op, dst)
-    if runs is None:  # the destination's last dimension is strided: gather into a dense copy
-        dense = torch.empty(op.sizes, dtype=dst.dtype)
-        copy_from_storage(op, files, dense)
-        dst.copy_(dense)
+    if runs is None or (len(runs[0]) > 1 and runs[2] < SMALL_RUN_BYTES):
+        _copy_through_slabs(op, files, dst)
         return
     src_offsets, dst_offsets, run_bytes = runs
-    extent = dst_offsets[-1] + run_bytes
-    memory = memoryview((ctypes.c_char * extent).from_address(dst.data_ptr())).cast("B")
+    memory = _memory_of(dst, dst_offsets[-1] + run_bytes)
     for offset, buffers in _gathers(src_offsets, dst_offsets, run_bytes, memory):
         files.read_into(chunk.location, offset, buffers)
+
+
+def _copy_through_slabs(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
+    """Read the operation's byte span a slab of first-dimension indexes at a time into a buffer
+    and copy the elements out of it with a strided view."""
+    strides, itemsize = _row_major_strides(op.chunk.sizes), op.chunk.dtype.itemsize
+    step = max(1, SLAB_BYTES // (strides[0] * itemsize))
+    buffer = torch.empty(0, dtype=torch.uint8)
+    for start in range(0, op.sizes[0], step):
+        piece = narrow_op(op, 0, start, min(step, op.sizes[0] - start))
+        lo, hi = byte_span(piece)
+        if buffer.numel() < hi - lo:
+            buffer = torch.empty(hi - lo, dtype=torch.uint8)
+        files.read_into(op.chunk.location, lo, [_memory_of(buffer, hi - lo)])
+        dst[start : start + piece.sizes[0]].copy_(buffer[: hi - lo].view(op.chunk.dtype).as_strided(piece.sizes, strides))
+
+
+def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of a CPU tensor's memory, writable, from its first element on."""
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _runs(op: CopyOp, dst: torch.Tensor) -> tuple[list[int], list[int], int] | None:
@@ -246,10 +271,10 @@ def _contiguous_from(sizes: Sequence[int], strides: Sequence[int]) -> int:
 
 def _grid_offsets(sizes: Sequence[int], strides: Sequence[int], base: int) -> list[int]:
     """``base + sum(index[d] * strides[d])`` for every index of a grid of ``sizes``, row-major."""
-    offsets = torch.tensor([base], dtype=torch.int64)
+    offsets = [base]
     for size, stride in zip(sizes, strides):
-        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).flatten()
-    return offsets.tolist()
+        offsets = [offset + i * stride for offset in offsets for i in range(size)]
+    return offsets
 
 
 def _gathers(
