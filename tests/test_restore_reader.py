@@ -3,6 +3,7 @@ memory charged against the commit limit, and the pinned staging budget."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from agent.checkpoint import Checkpointer
 from agent.checkpoint.checksums import ChecksumError, block_checks, load_checksums
 from agent.restore.manifest import StoredChunk, StoredTensor, load_metadata, manifest_for_rank, stored_tensor
 from agent.restore.plan import Box, plan_copies
-from agent.restore.reader import IOV_MAX, SKIP_BYTES, SMALL_RUN_BYTES, SnapshotFiles, read_ops, staging_layout
+from agent.restore.reader import SnapshotFiles, read_ops, staging_layout
 
 
 def stored_in_files(root: Path, values: torch.Tensor, boxes: list[Box], rng: random.Random) -> StoredTensor:
@@ -76,17 +77,30 @@ def test_random_boxes_into_dense_and_strided_destinations(tmp_path, seed):
         assert torch.equal(got, values[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
 
 
-@pytest.mark.parametrize("shape, columns", [((3 * IOV_MAX, 200), (3, 173)), ((6, SKIP_BYTES // 2), (5, 900)),
-                                            ((60, 40_000), (7, 7 + SMALL_RUN_BYTES // 8))])
-def test_columns_of_many_rows_of_long_rows_and_of_short_runs(tmp_path, shape, columns):
-    """More runs than one preadv takes; gaps too long to read through; runs too short to read
-    one by one, over several slabs."""
+@pytest.mark.parametrize("shape, columns", [((3000, 200), (3, 173)), ((6, 40_000), (5, 900))])
+def test_column_blocks_of_many_rows_and_of_long_rows(tmp_path, shape, columns):
     values = torch.randn(shape)
     stored = stored_in_files(tmp_path, values, [Box((0, 0), shape)], random.Random(0))
     target = Box((0, columns[0]), (shape[0], columns[1] - columns[0]))
     destination = torch.zeros(target.sizes)
-    read_boxes(tmp_path, stored, [target], [destination], io_threads=2, max_op_bytes=1 << 30)
+    read_boxes(tmp_path, stored, [target], [destination], io_threads=2, max_op_bytes=1 << 16)
     assert torch.equal(destination, values[:, columns[0] : columns[1]])
+
+
+@pytest.mark.parametrize("columns", [(0, 40), (3, 13)])
+def test_a_file_truncated_before_a_dense_or_a_strided_copy_raises_naming_it(tmp_path, columns):
+    """Dense copies read (a short read), strided ones map: the file's size is checked first."""
+    values = torch.randn(100, 40)
+    stored = stored_in_files(tmp_path, values, [Box((0, 0), (100, 40))], random.Random(0))
+    location = stored.chunks[0].location
+    ops = plan_copies(stored, [Box((0, columns[0]), (100, columns[1] - columns[0]))], max_op_bytes=1 << 20)
+    os.truncate(tmp_path / location, (tmp_path / location).stat().st_size // 2)
+    files = SnapshotFiles(tmp_path)
+    try:
+        with pytest.raises(RestoreError, match=rf"{tmp_path / location}: .*\(truncated while being restored\)"):
+            read_ops(ops, [torch.zeros(100, columns[1] - columns[0])], files, io_threads=1)
+    finally:
+        files.close()
 
 
 class Truncating:

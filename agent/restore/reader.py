@@ -1,13 +1,16 @@
-"""Executes a read plan: a thread pool of positional reads (``preadv``, which releases the GIL)
-from each file straight into the destination tensors' memory; CUDA destinations are read into a
-bounded set of pinned host buffers and copied to the device asynchronously on a side stream.
+"""Executes a read plan with a thread pool, straight into the destination tensors; CUDA
+destinations are read into a bounded set of pinned host buffers and copied to the device
+asynchronously on a side stream.
 
-Positional reads rather than memory maps: nothing is charged against the commit limit (a
-private writable mapping is, and fails under ``vm.overcommit_memory=2``), a file truncated or
-failing while it is read gives a short read or an error (a mapping gives SIGBUS, the death of
-the process), and a read costs less CPU than faulting the same pages in and releasing them again
-(about 20% less, warm, measured side by side). A strided copy (a block of columns) gathers its
-rows with one ``preadv`` per few hundred rows; the small gaps between rows go to a scratch buffer.
+A copy whose bytes are contiguous both in the file and in the destination (the common case: whole
+tensors and row blocks, in pieces of a few MiB) is one positional read (``preadv``, which
+releases the GIL) into the destination's memory: no intermediate copy, no mapping, and a file
+truncated or failing while it is read gives a short read or an error, never SIGBUS. A strided
+copy (a block of columns) goes through a read-only shared mapping instead, with a strided view
+that touches only the pages of its rows: measured side by side, about 1.5x less CPU warm and
+1.5-2x faster cold than gathering the rows with ``preadv``. The file's size is checked just before such a
+copy; a file truncated during the copy itself (a few milliseconds) still faults. No mapping is
+writable: nothing is charged against the commit limit (``vm.overcommit_memory=2``).
 """
 
 from __future__ import annotations
@@ -26,27 +29,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
 from agent.errors import RestoreError
-from agent.restore.plan import CopyOp, narrow_op, split_op
+from agent.restore.plan import CopyOp, split_op
 
-IOV_MAX = 1024
-"""Buffers per ``preadv`` call (Linux's UIO_MAXIOV)."""
-SKIP_BYTES = 64 << 10
-"""Gaps between the rows of a strided copy up to this size are read into a scratch buffer (one
-call for many rows); larger gaps start a new read."""
-SMALL_RUN_BYTES = 512
-"""Strided copies with contiguous runs shorter than this read their whole byte span, a slab of
-rows at a time, and copy the elements out of it: one buffer per run would cost more than the
-gaps. Longer runs are gathered straight into the destination."""
-SLAB_BYTES = 4 << 20
 DEFAULT_PINNED_MB = 256
 """Pinned host memory a rank may use to stage CUDA destinations, unless told otherwise."""
 MAX_STAGING_BYTES = 16 << 20
 
 # SnapshotFiles.mapping is read-only (no commit charge); torch.frombuffer warns about that once,
-# for the DCP reader's zero-copy views, which are only ever read.
+# for the DCP reader's views of it, which are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=r"agent\.restore\.")
 
@@ -99,36 +93,45 @@ class SnapshotFiles:
                                            "while being restored") from None
             return self._fds[key]
 
-    def read_into(self, location: str, offset: int, buffers: list[memoryview]) -> None:
-        """Fill ``buffers`` with the file's bytes from ``offset`` on; StorageReadError naming the
+    def read_into(self, location: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the file's bytes from ``offset`` on; StorageReadError naming the
         file and the bytes when it ends early (truncated) or the read fails."""
-        fd, wanted = self.fd(location), sum(len(b) for b in buffers)
-        done = 0
+        fd, done = self.fd(location), 0
         try:
-            while done < wanted:
-                got = os.preadv(fd, _advanced(buffers, done), offset + done)
+            while done < len(buffer):
+                got = os.preadv(fd, [buffer[done:]], offset + done)
                 if got == 0:
                     raise StorageReadError(location, f"{self.path(location)}: ends at byte {offset + done}, before "
-                                           f"bytes {offset}..{offset + wanted} could be read (truncated while "
+                                           f"bytes {offset}..{offset + len(buffer)} could be read (truncated while "
                                            "being restored)")
                 done += got
         except OSError as exc:
-            raise StorageReadError(location, f"{self.path(location)}: reading bytes {offset}..{offset + wanted} "
+            raise StorageReadError(location, f"{self.path(location)}: reading bytes {offset}..{offset + len(buffer)} "
                                    f"failed ({exc.strerror or exc})") from exc
 
     def read(self, location: str, offset: int, length: int) -> bytearray:
         """``length`` bytes of the file from ``offset`` on (see :meth:`read_into`)."""
         payload = bytearray(length)
-        self.read_into(location, offset, [memoryview(payload)])
+        self.read_into(location, offset, memoryview(payload))
         return payload
 
     def mapping(self, location: str) -> mmap.mmap:
         """A read-only shared mapping of the whole file (no commit charge), made once."""
+        fd = self.fd(location)
         with self._lock:
             if location not in self._maps:
-                with open(self.path(location), "rb") as f:
-                    self._maps[location] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                self._maps[location] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
             return self._maps[location]
+
+    def mapped(self, location: str, end: int) -> mmap.mmap:
+        """The file's mapping, once its first ``end`` bytes are checked to be there now (a mapping
+        must not be touched past the end of its file); StorageReadError naming the file if not."""
+        size = os.fstat(self.fd(location)).st_size
+        mapping = self.mapping(location) if size >= end else None
+        if mapping is None or len(mapping) < end:
+            raise StorageReadError(location, f"{self.path(location)}: {size} bytes, {end} needed (truncated while "
+                                   "being restored)")
+        return mapping
 
     def close(self) -> None:
         for mapping in self._maps.values():
@@ -137,20 +140,6 @@ class SnapshotFiles:
             os.close(fd)
         self._maps.clear()
         self._fds.clear()
-
-
-def _advanced(buffers: list[memoryview], skip: int) -> list[memoryview]:
-    """``buffers`` without their first ``skip`` bytes."""
-    if skip == 0:
-        return buffers
-    rest = []
-    for buffer in buffers:
-        if skip >= len(buffer):
-            skip -= len(buffer)
-        else:
-            rest.append(buffer[skip:])
-            skip = 0
-    return rest
 
 
 def read_ops(
@@ -210,90 +199,33 @@ def copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> No
         whole = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
         dst.copy_(whole.reshape(chunk.sizes)[_region(op.src_start, op.sizes)])
         return
-    runs = _runs(op, dst)
-    if runs is None or (len(runs[0]) > 1 and runs[2] < SMALL_RUN_BYTES):
-        _copy_through_slabs(op, files, dst)
-        return
-    src_offsets, dst_offsets, run_bytes = runs
-    memory = _memory_of(dst, dst_offsets[-1] + run_bytes)
-    for offset, buffers in _gathers(src_offsets, dst_offsets, run_bytes, memory):
-        files.read_into(chunk.location, offset, buffers)
+    start, end = byte_span(op)
+    if end - start == op.nbytes and dst.is_contiguous():
+        files.read_into(chunk.location, start, _memory_of(dst, op.nbytes))
+    else:
+        _copy_mapped(op, files, dst, start, end)
 
 
-def _copy_through_slabs(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
-    """Read the operation's byte span a slab of first-dimension indexes at a time into a buffer
-    and copy the elements out of it with a strided view."""
-    strides, itemsize = _row_major_strides(op.chunk.sizes), op.chunk.dtype.itemsize
-    step = max(1, SLAB_BYTES // (strides[0] * itemsize))
-    buffer = torch.empty(0, dtype=torch.uint8)
-    for start in range(0, op.sizes[0], step):
-        piece = narrow_op(op, 0, start, min(step, op.sizes[0] - start))
-        lo, hi = byte_span(piece)
-        if buffer.numel() < hi - lo:
-            buffer = torch.empty(hi - lo, dtype=torch.uint8)
-        files.read_into(op.chunk.location, lo, [_memory_of(buffer, hi - lo)])
-        dst[start : start + piece.sizes[0]].copy_(buffer[: hi - lo].view(op.chunk.dtype).as_strided(piece.sizes, strides))
+def _copy_mapped(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor, start: int, end: int) -> None:
+    """A strided copy, through a strided view of the file's read-only mapping."""
+    mapping = files.mapped(op.chunk.location, end)
+    src = _view(mapping, start, end).view(op.chunk.dtype)
+    dst.copy_(src.as_strided(op.sizes, _row_major_strides(op.chunk.sizes)))
+    del src
+    release_pages(mapping, start, end)
+
+
+def _view(mapping: mmap.mmap, start: int, end: int) -> torch.Tensor:
+    """Bytes ``start``..``end`` of a read-only mapping as a uint8 tensor, only ever read (and
+    valid while the mapping is open). torch.frombuffer on the mapping itself would warn that it
+    is not writable; numpy gives its address."""
+    address = numpy.frombuffer(mapping, dtype=numpy.uint8, count=end - start, offset=start).ctypes.data
+    return torch.frombuffer((ctypes.c_char * (end - start)).from_address(address), dtype=torch.uint8)
 
 
 def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
-    """The first ``nbytes`` of a CPU tensor's memory, writable, from its first element on."""
+    """The first ``nbytes`` of a dense CPU tensor's memory, writable."""
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _runs(op: CopyOp, dst: torch.Tensor) -> tuple[list[int], list[int], int] | None:
-    """The operation as runs of bytes contiguous both in its file and in ``dst``: the file offset
-    and the byte offset in ``dst`` of each run (in file order), and the run length. None when
-    ``dst``'s last dimension is not contiguous."""
-    sizes, itemsize = op.sizes, op.chunk.dtype.itemsize
-    src_strides = _row_major_strides(op.chunk.sizes)
-    inner = _contiguous_from(sizes, dst.stride())
-    if inner == len(sizes) and sizes:
-        return None
-    # The outer dimensions: those before the trailing block that is whole in the chunk and dense in dst.
-    whole = next((d for d in range(len(sizes) - 1, 0, -1) if sizes[d] != op.chunk.sizes[d]), 0)
-    outer = max(inner, whole)
-    base = op.chunk.byte_offset + itemsize * sum(s * st for s, st in zip(op.src_start, src_strides))
-    run_bytes = itemsize * math.prod(sizes[outer:])
-    src = _grid_offsets(sizes[:outer], [st * itemsize for st in src_strides[:outer]], base)
-    dst_offsets = _grid_offsets(sizes[:outer], [st * itemsize for st in dst.stride()[:outer]], 0)
-    return src, dst_offsets, run_bytes
-
-
-def _contiguous_from(sizes: Sequence[int], strides: Sequence[int]) -> int:
-    """The first dimension from which on a tensor of ``sizes``/``strides`` is dense (row-major)."""
-    expected = 1
-    for dim in range(len(sizes) - 1, -1, -1):
-        if sizes[dim] != 1 and strides[dim] != expected:
-            return dim + 1
-        expected *= sizes[dim]
-    return 0
-
-
-def _grid_offsets(sizes: Sequence[int], strides: Sequence[int], base: int) -> list[int]:
-    """``base + sum(index[d] * strides[d])`` for every index of a grid of ``sizes``, row-major."""
-    offsets = [base]
-    for size, stride in zip(sizes, strides):
-        offsets = [offset + i * stride for offset in offsets for i in range(size)]
-    return offsets
-
-
-def _gathers(
-    src_offsets: list[int], dst_offsets: list[int], run_bytes: int, memory: memoryview
-) -> Iterable[tuple[int, list[memoryview]]]:
-    """Group runs into ``preadv`` calls: (file offset, buffers) with each small gap between runs
-    read into a scratch buffer, a large gap or a full call starting the next group."""
-    scratch = memoryview(bytearray(SKIP_BYTES)) if len(src_offsets) > 1 else memoryview(b"")
-    start, buffers, end = src_offsets[0], [], src_offsets[0]
-    for src, dst in zip(src_offsets, dst_offsets):
-        gap = src - end
-        if gap > SKIP_BYTES or len(buffers) + 2 > IOV_MAX:
-            yield start, buffers
-            start, buffers = src, []
-        elif gap:
-            buffers.append(scratch[:gap])
-        buffers.append(memory[dst : dst + run_bytes])
-        end = src + run_bytes
-    yield start, buffers
 
 
 def byte_span(op: CopyOp) -> tuple[int, int]:
