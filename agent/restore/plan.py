@@ -101,11 +101,11 @@ def split_op(op: CopyOp, max_op_bytes: int) -> list[CopyOp]:
     if dim is None or op.nbytes <= max_op_bytes:
         return [op]
     step = max(1, max_op_bytes // (op.nbytes // op.sizes[dim]))
-    pieces = [narrow_op(op, dim, start, min(step, op.sizes[dim] - start)) for start in range(0, op.sizes[dim], step)]
+    pieces = [_narrowed(op, dim, start, min(step, op.sizes[dim] - start)) for start in range(0, op.sizes[dim], step)]
     return [piece for part in pieces for piece in split_op(part, max_op_bytes)]
 
 
-def narrow_op(op: CopyOp, dim: int, start: int, length: int) -> CopyOp:
+def _narrowed(op: CopyOp, dim: int, start: int, length: int) -> CopyOp:
     """The part of ``op`` with indexes ``start``..``start + length`` (relative to the operation)
     along ``dim``."""
 
