@@ -152,7 +152,8 @@ def test_mappings_of_snapshot_files_are_read_only_and_shared(tmp_path):
     files = SnapshotFiles(tmp_path)
     try:
         files.mapping("data")
-        [line] = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(tmp_path / "data"))]
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        [line] = [line for line in maps if line.endswith(str(tmp_path / "data"))]
         assert line.split()[1] == "r--s", line  # no write permission: nothing charged to the commit limit
     finally:
         files.close()
