@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import agent
+from agent import RestoreError
 from agent.checkpoint import Checkpointer
 from agent.restore.manifest import load_metadata, manifest_for_rank, stored_tensor
 
@@ -217,3 +218,29 @@ def test_a_stripe_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
     """One rank's stripe fails its checksum: every rank leaves the striped restore together and
     falls back to the previous snapshot, none waits in a collective the others never join."""
     run_ranks(3, fall_back_together, str(tmp_path / "ckpt"), timeout_s=180)
+
+
+class Broken:
+    """A stateful that fails on one rank (a bug of the caller's, not a damaged snapshot)."""
+
+    def state_dict(self) -> dict:
+        raise ValueError("broken on this rank")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise AssertionError("never loaded")
+
+
+def fail_on_one_rank(rank: int, world_size: int, path: str) -> None:
+    app_state = {"model": replicated_model(1)}
+    if rank == 1:
+        app_state["broken"] = Broken()
+    expected = "broken on this rank" if rank == 1 else "rank 1 failed to restore its share .*broken on this rank"
+    with pytest.raises(RestoreError, match=expected):
+        agent.restore(path, app_state, replicated="stripe")
+
+
+def test_any_failure_on_one_rank_of_a_striped_restore_is_a_restore_error_on_every_rank(tmp_path):
+    """So that callers that fall back on RestoreError (the Checkpointer) do so on every rank."""
+    path = str(tmp_path / "snapshot")
+    run_ranks(2, write_replicated, path)
+    run_ranks(3, fail_on_one_rank, path, timeout_s=180)

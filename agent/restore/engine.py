@@ -173,17 +173,20 @@ def _read(root: Path, plan: _Plan, files: SnapshotFiles, checks: list, *, io_thr
 def _together(enabled: bool, root: Path) -> Iterator[None]:
     """With ``enabled`` (a striped restore, whose stripe exchange is a sequence of collectives),
     every rank learns whether the block failed on any rank before any rank goes on: a rank-local
-    failure (a checksum mismatch in its stripe) raises on every rank, so all ranks leave the
-    restore together and meet again in the caller's next collective (the Checkpointer's
-    fallback) instead of in mismatched ones."""
+    failure (a checksum mismatch in its stripe) raises RestoreError on every rank, so all ranks
+    leave the restore together and meet again in the caller's next collective (the
+    Checkpointer's fallback) instead of in mismatched ones."""
     if not enabled:
         yield
         return
     try:
         yield
-    except Exception as exc:
-        _all_errors(f"{type(exc).__name__}: {exc}")
+    except RestoreError as exc:
+        _all_errors(str(exc))
         raise
+    except Exception as exc:  # not a RestoreError: the caller's fallback would not catch it on this rank alone
+        _all_errors(f"{type(exc).__name__}: {exc}")
+        raise RestoreError(f"{root}: restoring this rank's share failed ({type(exc).__name__}: {exc})") from exc
     failed = [(rank, error) for rank, error in enumerate(_all_errors(None)) if error is not None]
     if failed:
         rank, error = failed[0]
