@@ -134,6 +134,8 @@ class RestoreSection:
     replicated: Literal["all", "stripe"] = "all"
     trust_pickles: bool = False
     prefetch: bool = True
+    pinned_mb: int = 256
+    """Pinned host memory (MiB) a rank may use to stage CUDA destinations while it restores."""
 
 
 @dataclass(kw_only=True)
@@ -325,7 +327,7 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
     if config.job.monitor_interval <= 0:
         fail("job.monitor_interval", "must be > 0 seconds")
     _validate_rendezvous(config, sources, fail)
-    for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of"):
+    for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of", "restore.pinned_mb"):
         if config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1")
     for path in ("restore.io_threads", "elastic.global_batch_size", "elastic.micro_batch_size"):

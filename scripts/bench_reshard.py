@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+
+from local_ports import free_port
 
 WIDTH = 2048
 
@@ -72,10 +73,7 @@ def worker(rank: int, world_size: int, port: int, task: str, path: str, state_mb
 
 
 def run(world_size: int, task: str, path: str, state_mb: int, out: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world_size, port, task, path, state_mb, out), nprocs=world_size, join=True)
+    mp.spawn(worker, args=(world_size, free_port(), task, path, state_mb, out), nprocs=world_size, join=True)
     return [json.loads(Path(out, f"{task}-{world_size}-{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -94,7 +94,8 @@ def evict(paths: list[Path]) -> None:
 
 
 def raw_read(paths: list[Path], threads: int) -> None:
-    """Read every byte into a per-thread buffer (the /dev/null ceiling), files split in pieces."""
+    """Read every byte into a per-thread buffer (the /dev/null ceiling), files split in pieces,
+    with as many threads as torchrevive's reader uses by default."""
     piece = 16 << 20
     jobs = [(p, off) for p in paths for off in range(0, p.stat().st_size, piece)]
     lock = threading.Lock()
@@ -326,8 +327,11 @@ def main() -> None:
 
 
 def machine() -> dict:
+    """The machine, and the reader threads torchrevive and raw_read both use on it."""
+    from agent.restore.reader import default_io_threads
+
     return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
-            "platform": sys.platform}
+            "platform": sys.platform, "io_threads": default_io_threads()}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Shared fixtures: free localhost ports and a runner for the real `torchrevive` command."""
+"""Shared fixtures: localhost ports held for their user and a runner for the real `torchrevive`
+command."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +17,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHREVIVE = [sys.executable, "-m", "launcher.cli"]
+sys.path.insert(0, str(REPO / "scripts"))
+from local_ports import free_port  # noqa: E402  (one helper for the tests and the scripts)
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["REPO", "TORCHREVIVE", "free_port", "start_torchrevive", "worker_env"]
 
 
 def worker_env() -> dict[str, str]:

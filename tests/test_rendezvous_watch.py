@@ -5,11 +5,11 @@ out the last call; the watch tells a peer that left to rejoin from a lost one.""
 
 from __future__ import annotations
 
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import free_port
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -30,17 +30,23 @@ would still be waiting for its 60 s last call)."""
 
 
 @pytest.fixture
-def make_node():
-    port = free_port()
-    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the c10d store's host
+def store():
+    """The c10d store's host, on a port the kernel chose."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+    del server
+
+
+@pytest.fixture
+def make_node(store):
     handlers: list[DynamicRendezvousHandler] = []
 
     def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="prompt", min_nodes=1,
+        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="prompt", min_nodes=1,
                                       max_nodes=max_nodes, join_timeout=JOIN_TIMEOUT_S, last_call_timeout=last_call_s,
                                       keep_alive_interval=1, keep_alive_max_attempt=2)
         # A store client per node, as each agent has: one client's blocking read holds its socket.
-        client = TCPStore("127.0.0.1", port, is_master=False)
+        client = TCPStore("127.0.0.1", store.port, is_master=False)
         handler = create_handler(client, C10dRendezvousBackend(client, "prompt"), params)
         handlers.append(handler)
         return handler, PromptOpExecutor.install(handler, poll_interval=0.05)
@@ -48,19 +54,35 @@ def make_node():
     yield make
     for handler in handlers:
         handler._stop_heartbeats()
-    del server
 
 
-def rendezvous(handlers, delays=None) -> list[int]:
-    """Every handler's next_rendezvous at once (each after its delay); their world sizes."""
-    delays = delays or [0.0] * len(handlers)
+def waiting(store: TCPStore, handler: DynamicRendezvousHandler) -> bool:
+    """Whether the stored rendezvous state has ``handler``'s node waiting: in the wait list, or a
+    participant of a round still forming."""
+    stored = C10dRendezvousBackend(store, "prompt").get_state()
+    if stored is None:
+        return False
+    state = pickle.loads(stored[0])
+    node = handler._this_node
+    return node in state.wait_list or (node in state.participants and not state.complete)
 
-    def join(handler, delay):
-        time.sleep(delay)
+
+def rendezvous(handlers, *, store: TCPStore | None = None, late=None, late_by: float = 0.0) -> list[int]:
+    """Every handler's next_rendezvous at once; their world sizes. The ``late`` handler starts
+    ``late_by`` seconds after every other one is seen waiting in the stored state (observed, not
+    guessed from how long joining usually takes)."""
+
+    def join(handler):
+        if handler is late:
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while not all(waiting(store, h) for h in handlers if h is not late):
+                assert time.monotonic() < deadline, "the other nodes never started to wait"
+                time.sleep(0.02)
+            time.sleep(late_by)
         return handler.next_rendezvous().world_size
 
     with ThreadPoolExecutor(len(handlers)) as pool:
-        return list(pool.map(join, handlers, delays))
+        return list(pool.map(join, handlers))
 
 
 def test_survivors_re_form_without_waiting_out_the_last_call(make_node):
@@ -73,22 +95,21 @@ def test_survivors_re_form_without_waiting_out_the_last_call(make_node):
     assert rendezvous(handlers[:2]) == [2, 2]  # before the join timeout, torch alone waits 60 s here
 
 
-def test_a_live_node_that_joins_late_is_waited_for(make_node):
+def test_a_live_node_that_joins_late_is_waited_for(store, make_node):
     nodes = [make_node() for _ in range(3)]
     handlers = [h for h, _ in nodes]
     assert rendezvous(handlers) == [3, 3, 3]
     for _, executor in nodes:
         executor.rejoining = True
-    # The third node is alive (heartbeating) but 1.5 s slower to rejoin: the round waits for it
-    # (completing with the two first ones would leave it out, in the wait list).
-    assert rendezvous(handlers, delays=[0, 0, 1.5]) == [3, 3, 3]
+    # The third node is alive (heartbeating) but rejoins 1.5 s after the two others wait: the round
+    # waits for it (completing with the two first ones would leave it out, in the wait list).
+    assert rendezvous(handlers, store=store, late=handlers[2], late_by=1.5) == [3, 3, 3]
 
 
-def test_the_first_round_still_waits_out_the_last_call(make_node):
+def test_the_first_round_still_waits_out_the_last_call(store, make_node):
     first, second = make_node(max_nodes=4, last_call_s=3)[0], make_node(max_nodes=4, last_call_s=3)[0]
-    # The second node starts 1 s after the first, when the first is the only live node: both are
-    # in the job's first round.
-    assert rendezvous([first, second], delays=[0, 1]) == [2, 2]
+    # The second node starts once the first waits alone in the first round: both are in it.
+    assert rendezvous([first, second], store=store, late=second) == [2, 2]
 
 
 

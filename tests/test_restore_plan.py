@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -79,6 +80,19 @@ def test_large_copies_split_by_rows():
     pieces = split_op(op, max_op_bytes=400)
     assert [p.sizes for p in pieces] == [(10, 10)] * 10
     assert [p.src_start for p in pieces] == [(r, 0) for r in range(0, 100, 10)]
+
+
+@pytest.mark.parametrize("sizes, max_op_bytes", [((1, 1000), 400), ((3, 2, 500), 400), ((2, 1, 7), 4), ((1, 1), 1)])
+def test_every_piece_fits_when_one_row_is_larger_than_the_limit(sizes, max_op_bytes):
+    """A CUDA destination is staged in pinned buffers of a fixed size: every piece must fit one."""
+    stored = as_stored(sizes, [Box((0,) * len(sizes), sizes)])
+    [op] = plan_copies(stored, [Box((0,) * len(sizes), sizes)], max_op_bytes=1 << 20)
+    pieces = split_op(op, max_op_bytes)
+    assert all(p.nbytes <= max(max_op_bytes, 4) for p in pieces)
+    data = {"file0": torch.arange(math.prod(sizes), dtype=torch.float32).reshape(sizes)}
+    target = torch.zeros(sizes)
+    assert execute(pieces, data, [target]) == op.nbytes
+    assert torch.equal(target, data["file0"])
 
 
 def test_stripes_cover_the_rows_once():

@@ -14,9 +14,13 @@ from distributed import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import agent
+from agent import RestoreError
+from agent.checkpoint import Checkpointer
+from agent.restore.manifest import load_metadata, manifest_for_rank, stored_tensor
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -172,3 +176,71 @@ def test_sharded_tensor_reshards(tmp_path):
     path = str(tmp_path / "snapshot")
     run_ranks(2, write_sharded_tensor, path)
     run_ranks(3, restore_sharded_tensor, path)
+
+
+STRIPED_SHAPE = (6000, 1500)
+"""36 MB of float32: each of 3 ranks' stripes (12 MB) holds checksum blocks (4 MiB) no other rank reads."""
+
+
+def striped_model(seed: int) -> DDP:
+    """DDP: torchsnapshot stores its state as replicated, so that a striped restore stripes it."""
+    torch.manual_seed(seed)
+    return DDP(nn.Linear(STRIPED_SHAPE[1], STRIPED_SHAPE[0], bias=False))
+
+
+def corrupt_row(snapshot: Path, logical_path: str, row: int) -> None:
+    """Flip a byte of ``row`` of a stored matrix, in whichever chunk holds it."""
+    stored = stored_tensor(manifest_for_rank(load_metadata(snapshot), 0)[logical_path])
+    chunk = next(c for c in stored.chunks if c.offsets[0] <= row < c.offsets[0] + c.sizes[0])
+    offset = chunk.byte_offset + (row - chunk.offsets[0]) * math.prod(chunk.sizes[1:]) * chunk.dtype.itemsize
+    with open(snapshot / chunk.location, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def fall_back_together(rank: int, world_size: int, root: str) -> None:
+    ckpt = Checkpointer(root, async_save=False, verify="full", restore_options={"replicated": "stripe"})
+    for step in (1, 2):
+        ckpt.save(step, {"model": striped_model(step)})
+    if rank == 0:  # the middle of rank 1's stripe: only rank 1's checks see it
+        corrupt_row(Path(root) / "step_2", "model/module.weight", STRIPED_SHAPE[0] // 2)
+    dist.barrier()
+    target = striped_model(0)
+    with pytest.warns(UserWarning, match=r"falling back from .*step_2: .*(rank 1 failed to restore its share|do not "
+                                         r"match their checksum)"):
+        assert ckpt.restore({"model": target}) == 1
+    assert torch.equal(target.module.weight, striped_model(1).module.weight)
+
+
+def test_a_stripe_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
+    """One rank's stripe fails its checksum: every rank leaves the striped restore together and
+    falls back to the previous snapshot, none waits in a collective the others never join."""
+    run_ranks(3, fall_back_together, str(tmp_path / "ckpt"), timeout_s=180)
+
+
+class Broken:
+    """A stateful that fails on one rank (a bug of the caller's, not a damaged snapshot)."""
+
+    def state_dict(self) -> dict:
+        raise ValueError("broken on this rank")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise AssertionError("never loaded")
+
+
+def fail_on_one_rank(rank: int, world_size: int, path: str) -> None:
+    app_state = {"model": replicated_model(1)}
+    if rank == 1:
+        app_state["broken"] = Broken()
+    expected = "broken on this rank" if rank == 1 else "rank 1 failed to restore its share .*broken on this rank"
+    with pytest.raises(RestoreError, match=expected):
+        agent.restore(path, app_state, replicated="stripe")
+
+
+def test_any_failure_on_one_rank_of_a_striped_restore_is_a_restore_error_on_every_rank(tmp_path):
+    """So that callers that fall back on RestoreError (the Checkpointer) do so on every rank."""
+    path = str(tmp_path / "snapshot")
+    run_ranks(2, write_replicated, path)
+    run_ranks(3, fail_on_one_rank, path, timeout_s=180)

@@ -119,7 +119,7 @@ class Checkpointer:
             on_busy=config.checkpoint.on_busy,
             verify=config.checkpoint.verify,
             restore_options={"io_threads": config.restore.io_threads, "replicated": config.restore.replicated,
-                             "trust_pickles": config.restore.trust_pickles},
+                             "trust_pickles": config.restore.trust_pickles, "pinned_mb": config.restore.pinned_mb},
             events=EventLog.for_worker(ctx),
             round=ctx.round,
         )

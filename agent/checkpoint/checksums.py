@@ -12,6 +12,7 @@ import functools
 import json
 import mmap
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -168,8 +169,8 @@ def block_checks(
 
     def check(location: str, block: int) -> int:
         lo, hi = checksums.block_range(location, block)
-        with _mapped(root / location) as view:
-            actual = _digest(view, lo, hi)
+        with _read_block(root / location, lo, hi, describe(location)) as view:
+            actual = xxhash.xxh3_64_hexdigest(view)
         if actual != checksums.files[location].blocks[block]:
             raise ChecksumError(f"{root / location}: bytes {lo}..{hi} do not match their checksum; "
                                 f"{describe(location)}")
@@ -205,6 +206,26 @@ def verify_blocks(
 def _mapped(path: Path) -> Iterator[memoryview]:
     """A read-only view of a whole file, mmap'ed."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapping, memoryview(mapping) as view:
+        yield view
+
+
+_block_buffers = threading.local()
+
+
+@contextmanager
+def _read_block(path: Path, lo: int, hi: int, what: str) -> Iterator[memoryview]:
+    """Bytes ``lo``..``hi`` of a file, read into this thread's reused buffer. Read rather than
+    mapped: a file truncated since its size was checked is a ChecksumError, not a SIGBUS."""
+    buffer = getattr(_block_buffers, "buffer", None)
+    if buffer is None or len(buffer) < hi - lo:
+        buffer = _block_buffers.buffer = bytearray(hi - lo)
+    with memoryview(buffer)[: hi - lo] as view, open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < hi - lo and (got := os.preadv(f.fileno(), [view[done:]], lo + done)):
+            done += got
+        if done < hi - lo:
+            raise ChecksumError(f"{path}: ends at byte {lo + done}, before {hi} (truncated while being checked); "
+                                f"{what}")
         yield view
 
 

@@ -4,7 +4,8 @@ state to each stateful's ``load_state_dict``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,14 @@ from agent.restore.manifest import (
 )
 from agent.restore.pickles import load_object
 from agent.restore.plan import CopyOp, CoverageError, plan_copies, stripe
-from agent.restore.reader import SnapshotFiles, byte_span, default_io_threads, read_ops
+from agent.restore.reader import (
+    DEFAULT_PINNED_MB,
+    SnapshotFiles,
+    StorageReadError,
+    byte_span,
+    default_io_threads,
+    read_ops,
+)
 from agent.restore.targets import (
     Destination,
     allocate,
@@ -91,12 +99,14 @@ def restore(
     trust_pickles: bool = False,
     strict: bool = True,
     verify: Literal["off", "sample", "full"] = "sample",
+    pinned_mb: int = DEFAULT_PINNED_MB,
 ) -> RestoreStats:
     """Restore a torchsnapshot snapshot (or a DCP checkpoint directory) into ``app_state``,
     resharded to this process group.
 
-    Each rank reads only the bytes of its own boxes, from mmap'ed files with ``io_threads``
-    threads (default: :func:`default_io_threads`), straight into the destination tensors.
+    Each rank reads only the bytes of its own boxes, with ``io_threads`` threads (default:
+    :func:`default_io_threads`) of positional reads straight into the destination tensors; CUDA
+    destinations are staged through at most ``pinned_mb`` MiB of pinned host memory.
     ``replicated="stripe"`` (with an initialized process group) reads each replicated tensor
     once per cluster, a stripe per rank, and exchanges the stripes. Pickled objects load with
     ``weights_only`` semantics unless ``trust_pickles``. When the snapshot has checksums (one
@@ -121,29 +131,25 @@ def restore(
     root = Path(path)
     if is_dcp_checkpoint(root) and not (root / METADATA_FILE).exists():
         return _restore_dcp(root, app_state, io_threads=io_threads, trust_pickles=trust_pickles, started=started)
-    metadata = load_metadata(root)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    manifest = manifest_for_rank(metadata, rank)
     striping = replicated == "stripe" and world_size > 1
-    files = SnapshotFiles(root)
     plan = _Plan()
-    try:
-        statefuls = [
-            _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
-                           strict=strict)
-            for key, obj in app_state.items()
-        ]
-        checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
-        for stateful, logical_path, entry in plan.objects:
-            stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+    with _together(striping, root):
+        manifest = manifest_for_rank(load_metadata(root), rank)
+        files = SnapshotFiles(root)
         try:
-            bytes_read = read_ops(plan.ops, plan.targets, files, io_threads=io_threads or default_io_threads(),
-                                  checks=checks)
-        except OSError as exc:
-            raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
-                               "overwritten and no state was loaded: restore again or from another snapshot") from exc
-    finally:
-        files.close()
+            statefuls = [
+                _plan_stateful(key, obj, manifest, files, plan, striping=striping, rank=rank, world_size=world_size,
+                               strict=strict)
+                for key, obj in app_state.items()
+            ]
+            checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
+            for stateful, logical_path, entry in plan.objects:
+                stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+            bytes_read = _read(root, plan, files, checks, io_threads=io_threads or default_io_threads(),
+                               pinned_bytes=pinned_mb << 20)
+        finally:
+            files.close()
     exchanged = _exchange_stripes(plan.striped, world_size)
     for stateful in sorted(statefuls, key=_load_order):
         state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
@@ -152,6 +158,50 @@ def restore(
         else:
             stateful.obj.load_state_dict(state_dict)
     return RestoreStats(str(root), bytes_read, time.perf_counter() - started, plan.num_tensors, exchanged, verified)
+
+
+def _read(root: Path, plan: _Plan, files: SnapshotFiles, checks: list, *, io_threads: int, pinned_bytes: int) -> int:
+    """Execute the plan; an I/O failure names the file and what it holds."""
+    try:
+        return read_ops(plan.ops, plan.targets, files, io_threads=io_threads, pinned_bytes=pinned_bytes, checks=checks)
+    except StorageReadError as exc:
+        raise RestoreError(f"{exc}; it holds '{plan.holders.get(exc.location, '?')}': destination tensors may be "
+                           "partly overwritten and no state was loaded: restore again or from another snapshot") from exc
+    except OSError as exc:
+        raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
+                           "overwritten and no state was loaded: restore again or from another snapshot") from exc
+
+
+@contextmanager
+def _together(enabled: bool, root: Path) -> Iterator[None]:
+    """With ``enabled`` (a striped restore, whose stripe exchange is a sequence of collectives),
+    every rank learns whether the block failed on any rank before any rank goes on: a rank-local
+    failure (a checksum mismatch in its stripe) raises RestoreError on every rank, so all ranks
+    leave the restore together and meet again in the caller's next collective (the
+    Checkpointer's fallback) instead of in mismatched ones."""
+    if not enabled:
+        yield
+        return
+    try:
+        yield
+    except RestoreError as exc:
+        _all_errors(str(exc))
+        raise
+    except Exception as exc:  # not a RestoreError: the caller's fallback would not catch it on this rank alone
+        _all_errors(f"{type(exc).__name__}: {exc}")
+        raise RestoreError(f"{root}: restoring this rank's share failed ({type(exc).__name__}: {exc})") from exc
+    failed = [(rank, error) for rank, error in enumerate(_all_errors(None)) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise RestoreError(f"{root}: rank {rank} failed to restore its share ({error}); no rank exchanged stripes "
+                           "or loaded state: restore again or from another snapshot")
+
+
+def _all_errors(error: str | None) -> list[str | None]:
+    """Every rank's error (None for success), in rank order."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
 
 
 def _restore_dcp(root: Path, app_state: Mapping[str, Any], *, io_threads: int | None, trust_pickles: bool,

@@ -94,23 +94,26 @@ def plan_copies(stored: StoredTensor, targets: Sequence[Box], *, max_op_bytes: i
 
 
 def split_op(op: CopyOp, max_op_bytes: int) -> list[CopyOp]:
-    """Split a large copy along its first dimension so that threads share big tensors."""
-    if not op.sizes or op.nbytes <= max_op_bytes or op.sizes[0] <= 1:
+    """Split a large copy into pieces of at most ``max_op_bytes`` (one element at the least) so
+    that threads share big tensors: along its first dimension longer than 1, and where a single
+    index of that one is still too large, along the next ones."""
+    dim = next((d for d, n in enumerate(op.sizes) if n > 1), None)
+    if dim is None or op.nbytes <= max_op_bytes:
         return [op]
-    row_bytes = op.nbytes // op.sizes[0]
-    rows = max(1, max_op_bytes // max(1, row_bytes))
-    pieces = []
-    for start in range(0, op.sizes[0], rows):
-        n = min(rows, op.sizes[0] - start)
-        pieces.append(
-            replace(
-                op,
-                src_start=(op.src_start[0] + start, *op.src_start[1:]),
-                dst_start=(op.dst_start[0] + start, *op.dst_start[1:]),
-                sizes=(n, *op.sizes[1:]),
-            )
-        )
-    return pieces
+    step = max(1, max_op_bytes // (op.nbytes // op.sizes[dim]))
+    pieces = [_narrowed(op, dim, start, min(step, op.sizes[dim] - start)) for start in range(0, op.sizes[dim], step)]
+    return [piece for part in pieces for piece in split_op(part, max_op_bytes)]
+
+
+def _narrowed(op: CopyOp, dim: int, start: int, length: int) -> CopyOp:
+    """The part of ``op`` with indexes ``start``..``start + length`` (relative to the operation)
+    along ``dim``."""
+
+    def shifted(starts: tuple[int, ...]) -> tuple[int, ...]:
+        return (*starts[:dim], starts[dim] + start, *starts[dim + 1 :])
+
+    sizes = (*op.sizes[:dim], length, *op.sizes[dim + 1 :])
+    return replace(op, src_start=shifted(op.src_start), dst_start=shifted(op.dst_start), sizes=sizes)
 
 
 def stripe(shape: tuple[int, ...], rank: int, world_size: int) -> Box:

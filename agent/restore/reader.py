@@ -1,36 +1,72 @@
-"""Executes a read plan: each file mmap'ed once, a thread pool copying straight from the mapping
-into the destination tensors (torch's copy releases the GIL), CUDA destinations staged through
-a small ring of pinned host buffers with asynchronous host-to-device copies."""
+"""Executes a read plan with a thread pool, straight into the destination tensors; CUDA
+destinations are read into a bounded set of pinned host buffers and copied to the device
+asynchronously on a side stream.
+
+A copy whose bytes are contiguous both in the file and in the destination (the common case: whole
+tensors and row blocks, in pieces of a few MiB) is one positional read (``preadv``, which
+releases the GIL) into the destination's memory: no intermediate copy, no mapping, and a file
+truncated or failing while it is read gives a short read or an error, never SIGBUS. A strided
+copy (a block of columns) goes through a read-only shared mapping instead, with a strided view
+that touches only the pages of its rows: measured side by side, about 1.5x less CPU warm and
+1.5-2x faster cold than gathering the rows with ``preadv``. The file's size is checked just
+before such a copy; a file truncated during the copy itself (a few milliseconds) still faults.
+No mapping is writable: nothing is charged against the commit limit (``vm.overcommit_memory=2``).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import math
 import mmap
 import os
+import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
-from agent.restore.plan import CopyOp
+from agent.errors import RestoreError
+from agent.restore.plan import CopyOp, split_op
 
-PAGE = mmap.PAGESIZE
+DEFAULT_PINNED_MB = 256
+"""Pinned host memory a rank may use to stage CUDA destinations, unless told otherwise."""
+MAX_STAGING_BYTES = 16 << 20
+"""The largest pinned staging buffer: a few MiB already keep a host-to-device link busy."""
+
+# SnapshotFiles.mapping is read-only (no commit charge); torch.frombuffer warns about that once,
+# for the DCP reader's views of it, which are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=r"agent\.restore\.")
+
+
+class StorageReadError(RestoreError):
+    """A snapshot file could not be opened, ended early or failed while being read."""
+
+    def __init__(self, location: str, message: str) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 def default_io_threads() -> int:
-    """Enough threads to keep storage busy (cold) and every core copying (warm)."""
-    return min(32, max(4, 2 * (os.cpu_count() or 1)))
+    """One reader per core, at least 2, at most 32: copies out of the page cache are CPU-bound,
+    and more threads than cores only contend (measured side by side on 2 cores: 2 threads take
+    7% less CPU than 4 warm, and read as fast cold)."""
+    return min(32, max(2, os.cpu_count() or 1))
 
 
 class SnapshotFiles:
-    """The snapshot's files, each opened and mapped once, privately and lazily."""
+    """The snapshot's files, opened read-only and lazily (once per reading thread)."""
 
     def __init__(self, root: Path) -> None:
         self._root = root
+        self._fds: dict[tuple[int, str], int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -45,21 +81,67 @@ class SnapshotFiles:
             self._sizes[location] = self.path(location).stat().st_size
         return self._sizes[location]
 
+    def fd(self, location: str) -> int:
+        """This thread's read-only descriptor of the file (one per thread: the kernel keeps its
+        readahead state per open file, and threads reading apart would confuse a shared one);
+        StorageReadError naming the file when it cannot be opened."""
+        key = (threading.get_ident(), location)
+        with self._lock:
+            if key not in self._fds:
+                try:
+                    self._fds[key] = os.open(self.path(location), os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise StorageReadError(location, f"{self.path(location)}: cannot be opened ({exc.strerror}) "
+                                           "while being restored") from None
+            return self._fds[key]
+
+    def read_into(self, location: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the file's bytes from ``offset`` on; StorageReadError naming the
+        file and the bytes when it ends early (truncated) or the read fails."""
+        fd, done = self.fd(location), 0
+        try:
+            while done < len(buffer):
+                got = os.preadv(fd, [buffer[done:]], offset + done)
+                if got == 0:
+                    raise StorageReadError(location, f"{self.path(location)}: ends at byte {offset + done}, before "
+                                           f"bytes {offset}..{offset + len(buffer)} could be read (truncated while "
+                                           "being restored)")
+                done += got
+        except OSError as exc:
+            raise StorageReadError(location, f"{self.path(location)}: reading bytes {offset}..{offset + len(buffer)} "
+                                   f"failed ({exc.strerror or exc})") from exc
+
+    def read(self, location: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of the file from ``offset`` on (see :meth:`read_into`)."""
+        payload = bytearray(length)
+        self.read_into(location, offset, memoryview(payload))
+        return payload
+
     def mapping(self, location: str) -> mmap.mmap:
+        """A read-only shared mapping of the whole file (no commit charge), made once."""
+        fd = self.fd(location)
         with self._lock:
             if location not in self._maps:
-                with open(self.path(location), "rb") as f:
-                    # A private writable mapping: torch.frombuffer wants a writable buffer, and
-                    # nothing is ever written, so every page stays shared with the page cache.
-                    self._maps[location] = mmap.mmap(
-                        f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                    )
+                self._maps[location] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
             return self._maps[location]
+
+    def mapped(self, location: str, end: int) -> mmap.mmap:
+        """The file's mapping, once its first ``end`` bytes are checked to be there now (a mapping
+        must not be touched past the end of its file); StorageReadError naming the file if not."""
+        size = os.fstat(self.fd(location)).st_size
+        mapping = self.mapping(location) if size >= end else None
+        if mapping is None or len(mapping) < end:
+            raise StorageReadError(location, f"{self.path(location)}: {size} bytes, {end} needed (truncated while "
+                                   "being restored)")
+        return mapping
 
     def close(self) -> None:
         for mapping in self._maps.values():
             mapping.close()
+        for fd in self._fds.values():
+            os.close(fd)
         self._maps.clear()
+        self._fds.clear()
 
 
 def read_ops(
@@ -68,22 +150,23 @@ def read_ops(
     files: SnapshotFiles,
     *,
     io_threads: int,
+    pinned_bytes: int = DEFAULT_PINNED_MB << 20,
     checks: Sequence[tuple[tuple[str, int], Callable[[], int]]] = (),
 ) -> int:
     """Run every copy; returns the bytes read from storage. Ops go out in file order so that
     each file is read front to back; ``checks`` (keyed by file and byte offset) run in the same
-    pool beside the copies of their bytes, and the first one that raises stops the restore."""
-    stagers: dict[int, _CudaStager] = {}
+    pool beside the copies of their bytes, and the first one that raises stops the restore.
+    CUDA destinations are staged through at most ``pinned_bytes`` of pinned host memory."""
+    devices = sorted({t.device for t in targets if t.is_cuda}, key=str)
+    staging = _CudaStaging(devices, pinned_bytes, io_threads) if devices else None
 
     def run(op: CopyOp) -> int:
         dst = targets[op.target][_region(op.dst_start, op.sizes)]
         if dst.is_cuda:
-            thread = threading.get_ident()
-            if thread not in stagers:  # one ring of pinned buffers per thread, made once
-                stagers[thread] = _CudaStager(dst.device)
-            stagers[thread].copy(dst, lambda out: _copy_from_storage(op, files, out))
+            assert staging is not None
+            staging.upload(op, dst, files)
         else:
-            _copy_from_storage(op, files, dst)
+            copy_from_storage(op, files, dst)
         return op.nbytes
 
     # A check sorts just before the copies of the bytes it covers; the copies go in file order.
@@ -92,43 +175,59 @@ def read_ops(
     keyed.sort(key=lambda job: job[0])
     jobs = [job for _, _, job in keyed]
     try:
-        if io_threads <= 1 or len(jobs) <= 1:
-            done = [job() for job in jobs]
-        else:
-            pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchrevive-read")
-            try:
-                done = list(pool.map(lambda job: job(), jobs))
-            finally:
-                pool.shutdown(cancel_futures=True)
+        done = _run_all(jobs, io_threads)
     finally:
-        for stager in stagers.values():
-            stager.finish()
+        if staging is not None:
+            staging.finish()
     return sum(n for (_, is_copy, _), n in zip(keyed, done) if is_copy)
 
 
-def _copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
+def _run_all(jobs: list[Callable[[], int]], io_threads: int) -> list[int]:
+    """Every job's result, in order; the first exception stops the rest."""
+    if io_threads <= 1 or len(jobs) <= 1:
+        return [job() for job in jobs]
+    pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="torchrevive-read")
+    try:
+        return list(pool.map(lambda job: job(), jobs))
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def copy_from_storage(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor) -> None:
+    """Fill the CPU tensor ``dst`` (shaped ``op.sizes``) with the operation's stored elements."""
     chunk = op.chunk
-    mapping = files.mapping(chunk.location)
     if not chunk.raw:
-        payload = mapping[chunk.byte_offset : chunk.byte_offset + chunk.byte_length]
+        payload = files.read(chunk.location, chunk.byte_offset, chunk.byte_length)
         whole = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
         dst.copy_(whole.reshape(chunk.sizes)[_region(op.src_start, op.sizes)])
         return
-    start_byte, end_byte = byte_span(op)
-    src = torch.frombuffer(mapping, dtype=chunk.dtype, count=(end_byte - start_byte) // chunk.dtype.itemsize,
-                           offset=start_byte)
-    dst.copy_(src.as_strided(op.sizes, _row_major_strides(chunk.sizes)))
+    start, end = byte_span(op)
+    if end - start == op.nbytes and dst.is_contiguous():
+        files.read_into(chunk.location, start, _memory_of(dst, op.nbytes))
+    else:
+        _copy_mapped(op, files, dst, start, end)
+
+
+def _copy_mapped(op: CopyOp, files: SnapshotFiles, dst: torch.Tensor, start: int, end: int) -> None:
+    """A strided copy, through a strided view of the file's read-only mapping."""
+    mapping = files.mapped(op.chunk.location, end)
+    src = _view(mapping, start, end).view(op.chunk.dtype)
+    dst.copy_(src.as_strided(op.sizes, _row_major_strides(op.chunk.sizes)))
     del src
-    release_pages(mapping, start_byte, end_byte)
+    release_pages(mapping, start, end)
 
 
-def release_pages(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Drop copied pages from this process's mapping: the page cache keeps them, and the process's
-    resident set stays at the destination tensors instead of growing by the snapshot."""
-    lo = start // PAGE * PAGE
-    hi = min(len(mapping), math.ceil(end / PAGE) * PAGE)
-    if hi > lo:
-        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+def _view(mapping: mmap.mmap, start: int, end: int) -> torch.Tensor:
+    """Bytes ``start``..``end`` of a read-only mapping as a uint8 tensor, only ever read (and
+    valid while the mapping is open). torch.frombuffer on the mapping itself would warn that it
+    is not writable; numpy gives its address."""
+    address = numpy.frombuffer(mapping, dtype=numpy.uint8, count=end - start, offset=start).ctypes.data
+    return torch.frombuffer((ctypes.c_char * (end - start)).from_address(address), dtype=torch.uint8)
+
+
+def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of a dense CPU tensor's memory, writable."""
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def byte_span(op: CopyOp) -> tuple[int, int]:
@@ -140,6 +239,15 @@ def byte_span(op: CopyOp) -> tuple[int, int]:
     first = sum(s * st for s, st in zip(op.src_start, strides))
     last = sum((s + n - 1) * st for s, n, st in zip(op.src_start, op.sizes, strides))
     return chunk.byte_offset + first * chunk.dtype.itemsize, chunk.byte_offset + (last + 1) * chunk.dtype.itemsize
+
+
+def release_pages(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Drop copied pages from this process's mapping: the page cache keeps them, and the process's
+    resident set stays at the destination tensors instead of growing by the snapshot."""
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(len(mapping), math.ceil(end / mmap.PAGESIZE) * mmap.PAGESIZE)
+    if hi > lo:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _region(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -156,39 +264,69 @@ def _row_major_strides(sizes: Iterable[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class _CudaStager:
-    """One thread's ring of pinned host buffers and its copy stream: storage -> pinned buffer
-    (CPU copy) -> device (asynchronous), with the next buffer filled while the last one uploads."""
+def staging_layout(pinned_bytes: int, io_threads: int) -> tuple[int, int]:
+    """(number of pinned buffers, bytes each) for a budget of ``pinned_bytes``: two buffers per
+    thread where the budget allows (one filling while the other uploads), each a power of two
+    (torch's pinned allocator rounds up to one) of at most MAX_STAGING_BYTES, at least two."""
+    if pinned_bytes < 2:
+        raise ValueError(f"a pinned budget of {pinned_bytes} bytes cannot hold two staging buffers")
+    share = min(MAX_STAGING_BYTES, pinned_bytes // (2 * max(1, io_threads)) or 1, pinned_bytes // 2)
+    buffer_bytes = 1 << (share.bit_length() - 1)
+    return min(2 * max(1, io_threads), pinned_bytes // buffer_bytes), buffer_bytes
 
-    RING = 2
-    BUFFER_BYTES = 64 << 20
 
-    def __init__(self, device: torch.device) -> None:
-        self._stream = torch.cuda.Stream(device=device)
-        self._buffers = [torch.empty(self.BUFFER_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.RING)]
-        self._events: list[torch.cuda.Event | None] = [None] * self.RING
-        self._next = 0
+@dataclass
+class _Slot:
+    """A pinned buffer (made on first use) and the event of its last upload."""
 
-    def copy(self, dst: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> None:
-        """Upload ``dst``'s bytes: ``fill`` writes them into a pinned staging tensor."""
-        nbytes = dst.numel() * dst.element_size()
-        slot = self._next
-        self._next = (slot + 1) % self.RING
-        if nbytes > self.BUFFER_BYTES:
-            staging = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
-        else:
-            if self._events[slot] is not None:
-                self._events[slot].synchronize()
-            staging = self._buffers[slot][:nbytes].view(dst.dtype).view(dst.shape)
-        fill(staging)
-        with torch.cuda.stream(self._stream):
-            dst.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        if nbytes > self.BUFFER_BYTES:
-            event.synchronize()
-        else:
-            self._events[slot] = event
+    buffer: torch.Tensor | None = None
+    uploaded: torch.cuda.Event | None = None
+
+
+class _CudaStaging:
+    """Pinned host buffers shared by the pool's threads (``staging_layout``: never more than the
+    budget) and a copy stream per device that starts after the work already queued on the
+    caller's current stream (which may still be writing the destination tensors)."""
+
+    def __init__(self, devices: Sequence[torch.device], pinned_bytes: int, io_threads: int) -> None:
+        count, self.buffer_bytes = staging_layout(pinned_bytes, io_threads)
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(_Slot())
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        for device in devices:
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._streams[device] = stream
+
+    def upload(self, op: CopyOp, dst: torch.Tensor, files: SnapshotFiles) -> None:
+        """Copy an operation's elements into the CUDA tensor ``dst`` (shaped ``op.sizes``), in
+        pieces that fit one staging buffer."""
+        stream = self._streams[dst.device]
+        if not op.chunk.raw:  # a torch.save payload: loaded whole on the CPU, uploaded in order
+            host = torch.empty(op.sizes, dtype=dst.dtype)
+            copy_from_storage(op, files, host)
+            with torch.cuda.stream(stream):
+                dst.copy_(host)
+            return
+        for piece in split_op(op, self.buffer_bytes):
+            slot = self._free.get()
+            try:
+                if slot.uploaded is not None:
+                    slot.uploaded.synchronize()
+                if slot.buffer is None:
+                    slot.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True)
+                host = slot.buffer[: piece.nbytes].view(dst.dtype).view(piece.sizes)
+                copy_from_storage(piece, files, host)
+                with torch.cuda.stream(stream):
+                    dst[_region([p - o for p, o in zip(piece.dst_start, op.dst_start)], piece.sizes)].copy_(
+                        host, non_blocking=True)
+                    slot.uploaded = torch.cuda.Event()
+                    slot.uploaded.record(stream)
+            finally:
+                self._free.put(slot)
 
     def finish(self) -> None:
-        self._stream.synchronize()
+        """Wait for every upload (the pinned buffers are then free to go)."""
+        for stream in self._streams.values():
+            stream.synchronize()
