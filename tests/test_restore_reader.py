@@ -135,7 +135,7 @@ def test_a_file_truncated_during_the_read_raises_naming_the_file_and_key(tmp_pat
 
 
 def test_a_checked_block_truncated_after_the_size_check_is_reported_as_truncated(tmp_path):
-    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt = Checkpointer(tmp_path / "ckpt", staging=False)
     ckpt.save(1, {"model": nn.Linear(1024, 1024)})
     snapshot = ckpt.latest()
     checksums = load_checksums(snapshot)

@@ -201,7 +201,7 @@ def corrupt_row(snapshot: Path, logical_path: str, row: int) -> None:
 
 
 def fall_back_together(rank: int, world_size: int, root: str) -> None:
-    ckpt = Checkpointer(root, async_save=False, verify="full", restore_options={"replicated": "stripe"})
+    ckpt = Checkpointer(root, staging=False, verify="full", restore_options={"replicated": "stripe"})
     for step in (1, 2):
         ckpt.save(step, {"model": striped_model(step)})
     if rank == 0:  # the middle of rank 1's stripe: only rank 1's checks see it
