@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=48,
                         help="samples per optimizer step across all ranks (48 divides by 1, 2, 3, 4, 6 ranks)")
     parser.add_argument("--samples", type=int, default=4096, help="dataset size")
-    parser.add_argument("--log-samples", default=None, help="append each step's sample ids (JSON lines) to this file")
+    parser.add_argument("--log-samples", default=None,
+                        help="append each step's sample ids, rank and round (JSON lines) to this file")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
@@ -165,7 +166,8 @@ def main() -> None:
                 mark(args.marks, "first_step_done" if step == start else "step", step + 1, world_size=ctx.world_size)
         if args.log_samples:
             with open(args.log_samples, "a") as f:
-                f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "ids": ids}) + "\n")
+                f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "round": ctx.round,
+                                    "ids": ids}) + "\n")
         if ckpt:
             ckpt.maybe_save(step + 1, app_state)
     if ckpt:

@@ -12,6 +12,10 @@ Scenarios (several, comma-separated, run in sequence on the same job):
   kill-worker  SIGKILL one worker process of a node
   kill-during-save     SIGKILL a node while an async save is being written
   kill-during-restore  SIGKILL a node, then another while the survivors restore
+`--chaos N --seed S` instead injects N faults drawn at random from kill, freeze, partition (with
+--netns), join, kill-worker, kill-during-save and kill-during-restore into one job of --steps, and
+checks the finished job against a fault-free reference (scripts/chaos.py; JSON "chaos": {"faults",
+"invariants", "ok"}; exit code 1 unless ok).
 With --netns, each node runs in a network namespace of its own (scripts/netns.py: addresses
 198.18.0.1.. on one bridge, no route out; needs root), and network faults are possible:
   partition    cut the node's link for --partition-s s, then heal it: the others go on without it,
@@ -39,6 +43,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,7 +168,8 @@ class Cluster(Nodes):
             "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
                     "max_restarts": getattr(args, "max_restarts", 5), "monitor_interval": 0.1},
             "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
-            "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps, "keep": 2},
+            "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,
+                           "keep": getattr(args, "keep_snapshots", 2)},
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
             "observability": {"event_log": str(self.events)},
         }))
@@ -436,13 +442,31 @@ def job_env() -> dict[str, str]:
     return env
 
 
+def soak(args: argparse.Namespace, work: Path) -> None:
+    """--chaos: run the soak, write its report, exit 1 unless every invariant held."""
+    from chaos import run_chaos
+
+    with contextlib.ExitStack() as stack:
+        result = run_in_network(args, work, stack, run_chaos)
+    report = {"scenario": "chaos", "backend": args.backend, "nodes": args.nodes, "nproc_per_node": args.nproc_per_node,
+              "state_bytes": state_bytes(width_for(args.state_mb)), "seed": args.seed, "chaos": result,
+              "work_dir": str(work) if args.keep else None}
+    print(json.dumps({"invariants": result["invariants"], "ok": result["ok"]}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    raise SystemExit(0 if result["ok"] else 1)
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_in_network(args: argparse.Namespace, work: Path, stack: contextlib.ExitStack) -> list[dict]:
+def run_in_network(args: argparse.Namespace, work: Path, stack: contextlib.ExitStack,
+                   run: Callable[[argparse.Namespace, Path], Any] = run_scenarios) -> Any:
     """The rendezvous service (an etcd this script starts, unless given) and, with --netns, the
-    namespaces (removed when ``stack`` closes); then the scenarios."""
+    namespaces (removed when ``stack`` closes); then ``run`` (the scenarios, or the chaos soak)."""
     args.network = None
     host = "127.0.0.1"
     if args.netns:
@@ -464,7 +488,7 @@ def run_in_network(args: argparse.Namespace, work: Path, stack: contextlib.ExitS
             args.rdzv_endpoint = stack.enter_context(EtcdServer(work / "etcd-data", host=host)).endpoint
     if not args.rdzv_endpoint:
         args.rdzv_endpoint = f"{args.network.address(0) if args.network else '127.0.0.1'}:{free_port()}"
-    return run_scenarios(args, work)
+    return run(args, work)
 
 
 def main() -> None:
@@ -492,6 +516,10 @@ def main() -> None:
     parser.add_argument("--slow-loss-pct", type=float, default=1)
     parser.add_argument("--store-host-wait-s", type=float, default=90,
                         help="store-host: how long to wait for a recovery before calling it none")
+    parser.add_argument("--chaos", type=int, default=0, metavar="N",
+                        help="chaos soak: N random faults into one job of --steps (scripts/chaos.py)")
+    parser.add_argument("--seed", type=int, default=0, help="--chaos: the seed of the faults' RNG")
+    parser.add_argument("--steps", type=int, default=1_000_000, help="the job's training steps")
     args = parser.parse_args()
     scenarios = args.scenario.split(",")
     if {"partition", "slow-link"} & set(scenarios) and not args.netns:
@@ -506,6 +534,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
     # SIGTERM unwinds like SIGINT, so that every node is killed and every namespace removed.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    if args.chaos:
+        soak(args, work)
     with contextlib.ExitStack() as stack:
         runs = run_in_network(args, work, stack)
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
@@ -530,8 +560,6 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if not args.keep:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

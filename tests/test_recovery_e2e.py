@@ -6,20 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import time
 
 import torch
-from conftest import REPO, TORCHREVIVE, free_port, worker_env
+from conftest import REPO, free_port
 
-from agent import restore
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
 from agent.checkpoint.verify import check_snapshot
 from agent.checkpoint.dirs import committed_snapshots
 
 sys.path.insert(0, str(REPO / "scripts"))
+import chaos
 import local_cluster
 
 
@@ -54,16 +53,6 @@ def test_freeze_thaw_kill_join_and_a_worker_crash_in_a_row(tmp_path):
     assert snapshots
     for _, path in snapshots:
         assert check_snapshot(path).checksummed
-
-
-def final_model(snapshot) -> dict:
-    """The model of a snapshot the example wrote (DDP: its keys start with "module.")."""
-    from examples.train import build_model
-
-    model = torch.nn.Module()
-    model.module = build_model(WIDTH, torch.device("cpu"))
-    restore(snapshot, {"model": model})
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def per_step_samples(log) -> dict[int, list[int]]:
@@ -101,14 +90,10 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
         cluster.stop()
     events = read_events(faulty / "events.jsonl")
     assert any(e["event"] == "rendezvous_done" and e["world_size"] == 2 for e in events)
-    done = subprocess.run(
-        [*TORCHREVIVE, "run", "--standalone", "--nproc-per-node", "1", "--set", f"checkpoint.dir={reference}",
-         "--set", "checkpoint.interval_steps=5", "examples/train.py", "--steps", str(STEPS), "--width", str(WIDTH),
-         "--log-samples", str(tmp_path / "reference.jsonl")],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:]
-    assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(tmp_path / "reference.jsonl")
-    ours, theirs = final_model(faulty / "checkpoints" / f"step_{STEPS}"), final_model(reference / f"step_{STEPS}")
+    chaos.reference_run(reference, STEPS, WIDTH)
+    assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(reference / "samples.jsonl")
+    ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", WIDTH)
+    theirs = chaos.final_model(reference / f"step_{STEPS}", WIDTH)
     # Equal up to float summation order (gradients averaged over 3, then 2, ranks instead of 1):
     # after 300 Adam steps weights of ~0.2 differ by ~2e-6; a wrong sample or restore moves them ~1e-2.
     for key in theirs:
