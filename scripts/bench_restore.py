@@ -1,4 +1,4 @@
-"""Restore and save benchmark: one model + Adam state, written once by torchrevive's Checkpointer
+"""Restore benchmark: one model + Adam state, written once by torchrevive's Checkpointer
 (torchsnapshot format, with checksums), torch.save and DCP, then restored into existing state by
 each method, warm (page cache) and cold (pages evicted), each method in its own process so that
 its peak extra RSS (the kernel's high-water mark VmHWM, reset after the destination state is
@@ -7,12 +7,11 @@ built, minus the resident size then) is its own.
     python scripts/bench_restore.py --size-gb 2 --json out.json
 
 Prints a table and writes {"size_bytes", "results": {METHOD: {"warm_gbps", "cold_gbps",
-"peak_extra_rss_bytes"}}, "verify": {...}, "save": {...}, ...}. GB/s is state bytes (10^9) per
+"peak_extra_rss_bytes"}}, "verify": {...}, ...}. GB/s is state bytes (10^9) per
 second of wall time. ``torchrevive`` restores with the default ``verify="sample"``; ``verify``
 gives the cost of each verify mode against ``"off"``, measured in one process with the modes
-interleaved (separate processes differ by more than the cost itself). ``save`` is the time
-``Checkpointer.save`` blocks training, synchronous and asynchronous, beside a plain torchsnapshot
-``take`` and the checksum pass alone.
+interleaved (separate processes differ by more than the cost itself). Saving is measured by
+bench_save.py.
 """
 
 from __future__ import annotations
@@ -20,15 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -219,48 +215,6 @@ def measure_verify(root: Path, size_bytes: int, repeats: int) -> dict:
             for mode in VERIFY_MODES[1:] for temperature in ("warm", "cold")}
 
 
-def measure_save(root: Path, size_bytes: int, repeats: int) -> dict:
-    """In this (child) process, a one-rank gloo group (async_take needs a process group): how long
-    each way of saving blocks the caller, the time to commit, and the checksum pass alone."""
-    import torch.distributed as dist
-    import torchsnapshot
-
-    from agent.checkpoint import Checkpointer
-    from agent.checkpoint.checksums import data_files, digest_files
-
-    dist.init_process_group("gloo", init_method=f"file://{root / 'save-pg'}", rank=0, world_size=1)
-    model, optim = build_state(size_bytes, seed=2)
-    app = {"model": model, "optim": optim}
-    times: dict[str, list[float]] = {}
-
-    @contextmanager
-    def timed(name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        times.setdefault(name, []).append(time.perf_counter() - start)
-
-    for i in range(repeats):
-        work = root / "save"
-        plain = work / "plain"
-        with timed("torchsnapshot_take_s"):
-            torchsnapshot.Snapshot.take(str(plain), app)
-        with timed("checksum_s"):
-            digest_files(plain, data_files(plain))
-        sync = Checkpointer(work / "sync", staging=False, keep=1)
-        with timed("sync_blocking_s"):
-            sync.save(i + 1, app)
-        background = Checkpointer(work / "async", staging=True, keep=1)
-        with timed("async_blocking_s"):
-            background.save(i + 1, app)
-        with timed("async_commit_wait_s"):
-            background.wait()
-        shutil.rmtree(work)
-    dist.destroy_process_group()
-    result = {name: statistics.median(values) for name, values in times.items()}
-    result["checksum_share_of_sync_save"] = result["checksum_s"] / result["sync_blocking_s"]
-    return result
-
-
 def run_child(args: argparse.Namespace, *child: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats), *child],
                          capture_output=True, text=True, check=True)
@@ -274,9 +228,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--no-save", action="store_true", help="skip the save measurements")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
-    parser.add_argument("--save-child", metavar="ROOT", help=argparse.SUPPRESS)
     parser.add_argument("--verify-child", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     size_bytes = int(args.size_gb * 1e9)
@@ -285,9 +237,6 @@ def main() -> None:
         return
     if args.verify_child:
         print(json.dumps(measure_verify(Path(args.verify_child), size_bytes, args.repeats)))
-        return
-    if args.save_child:
-        print(json.dumps(measure_save(Path(args.save_child), size_bytes, args.repeats)))
         return
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="torchrevive-bench-") as tmp:
         root = Path(tmp)
@@ -300,7 +249,6 @@ def main() -> None:
             print(f"{method:16s} warm {r['warm_gbps']:6.2f} GB/s   cold {r['cold_gbps']:6.2f} GB/s   "
                   f"peak extra RSS {r['peak_extra_rss_bytes'] / 2**20:8.0f} MiB", flush=True)
         verify = run_child(args, "--verify-child", str(root))
-        save = None if args.no_save else run_child(args, "--save-child", str(root))
     size = next(iter(results.values()))["state_bytes"]
     report = {"size_bytes": size, "machine": machine(), "repeats": args.repeats,
               "results": {m: {k: r[k] for k in ("warm_gbps", "cold_gbps", "peak_extra_rss_bytes", "warm_s", "cold_s")}
@@ -308,10 +256,6 @@ def main() -> None:
     report["verify"] = verify
     for name, cost in verify.items():
         print(f"verify {name:33s} {cost * 100:+6.1f}% of restore time")
-    if save:
-        report["save"] = save
-        for name, value in save.items():
-            print(f"save {name:35s} {value:8.3f}" + (" s" if name.endswith("_s") else ""))
     if "torchrevive" in results:
         ours = results["torchrevive"]
         report["ratios"] = {f"torchrevive_vs_{m}_{mode}": ours[f"{mode}_gbps"] / r[f"{mode}_gbps"]
