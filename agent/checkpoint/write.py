@@ -95,9 +95,14 @@ class DurableFSPlugin(StoragePlugin):
         await self._reader.delete_dir(path)
 
     async def close(self) -> None:
-        """Make the directories durable (their entries for the new files)."""
-        for directory in sorted(self._dirs_made, key=len, reverse=True):
-            fsync_dir(Path(directory))
+        """Make the directories durable: each one's entries for the new files and directories,
+        from the deepest up to the snapshot's own."""
+        root = Path(self.root)
+        directories: set[Path] = set()
+        for made in map(Path, self._dirs_made):
+            directories.update(p for p in (made, *made.parents) if p.is_relative_to(root))
+        for directory in sorted(directories, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(directory)
 
 
 def storage_plugin(path: str, storage_options: dict[str, Any] | None = None) -> DurableFSPlugin:
