@@ -232,13 +232,16 @@ class Checkpointer:
             shutil.rmtree(save.written, ignore_errors=True)  # a leftover of a failed save of this round
         barrier(group)
         record = write_snapshot(save.written, state, replicated=replicated, group=group)
-        error = commit(save, record, group)
+
+        def committed(nbytes: int) -> None:
+            self.events.record("save_committed", step=step, snapshot=str(save.final),
+                               seconds=time.perf_counter() - started, bytes=nbytes)
+
+        error = commit(save, record, group, on_committed=committed)
         if error is not None:
             raise CheckpointError(f"{save.final}: saving step {step} failed ({error}); the partial snapshot was "
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
         if rank(group) == 0:
-            self.events.record("save_committed", step=step, snapshot=str(save.final),
-                               seconds=time.perf_counter() - started, bytes=sum(d.size for d in record.files.values()))
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +37,21 @@ class Commit:
     round: int | None
 
 
-def commit(save: Commit, record: WriteRecord, group: dist.ProcessGroup | None) -> str | None:
+def commit(save: Commit, record: WriteRecord, group: dist.ProcessGroup | None,
+           on_committed: Callable[[int], None]) -> str | None:
     """Commit ``save`` on every rank of ``group``; None when committed, else the error (the
-    written directory is then removed, and the previous snapshot stays the latest)."""
+    written directory is then removed, and the previous snapshot stays the latest). Rank 0 calls
+    ``on_committed(bytes)`` the moment the commit is durable, before telling the others: a node
+    killed after the commit still leaves its record."""
     outcomes = gather((record.error, record.files), group)
     error = next((e for e, _ in outcomes if e), None)
     if rank(group) == 0:
+        files = {name: d for _, written in outcomes for name, d in written.items()}
         if error is None:
-            error = _commit_on_rank0(save, {name: d for _, files in outcomes for name, d in files.items()},
-                                     world_size=len(outcomes))
-        if error is not None:
+            error = _commit_on_rank0(save, files, world_size=len(outcomes))
+        if error is None:
+            on_committed(sum(d.size for d in files.values()))
+        else:
             shutil.rmtree(save.written, ignore_errors=True)
     return from_rank0(error, group)
 
