@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -154,8 +155,12 @@ def test_a_signal_the_agent_handles_is_forwarded_to_the_workers(tmp_path):
                               "--monitor-interval", "0.2", STEADY_WORKER, str(tmp_path), "--record-signal", "SIGUSR1"])
     pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
     proc.send_signal(signal.SIGUSR1)
+    recorded = [tmp_path / f"signal{rank}" for rank in range(2)]
+    deadline = time.monotonic() + TIMEOUT_S  # the stop file must not end a worker before the signal reaches it
+    while not all(p.exists() for p in recorded) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     code, output = stop_steady_job(proc, tmp_path, pids)
-    assert [(tmp_path / f"signal{rank}").read_text() for rank in range(2)] == ["SIGUSR1", "SIGUSR1"], output
+    assert [p.read_text() for p in recorded] == ["SIGUSR1", "SIGUSR1"], output
     assert code != 0 and "SignalException" in output  # the agent stops as torchrun's does
 
 
