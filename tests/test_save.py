@@ -63,6 +63,34 @@ def test_the_save_returns_after_the_copy_and_later_changes_do_not_leak_in(tmp_pa
     assert [e["step"] for e in committed] == [1, 2] and all(e["seconds"] > 0 for e in committed)
 
 
+class CountedDraws(torchsnapshot.StateDict):
+    """A stateful whose ``state_dict`` draws from the RNG (as some samplers' do) and counts its calls."""
+
+    calls = 0
+
+    def state_dict(self) -> dict:
+        CountedDraws.calls += 1
+        torch.rand(1)
+        return super().state_dict()
+
+
+@pytest.mark.parametrize("staging", [True, False], ids=["staged", "synchronous"])
+def test_a_save_reads_each_state_dict_once_and_leaves_the_rng_as_it_saved_it(tmp_path, staging):
+    torch.manual_seed(7)
+    app = {"draws": CountedDraws(n=1), "rng": torchsnapshot.RNGState()}
+    before = torch.get_rng_state()
+    CountedDraws.calls = 0
+    ckpt = Checkpointer(tmp_path / "ckpt", staging=staging)
+    ckpt.save(1, app)
+    ckpt.wait()
+    assert CountedDraws.calls == 1
+    # Saving moved neither the RNG nor what was saved of it (read first, put back after the others).
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(8)
+    Checkpointer(tmp_path / "ckpt").restore({"draws": CountedDraws(n=0), "rng": torchsnapshot.RNGState()})
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def ddp_save_and_read_back(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)))

@@ -31,7 +31,7 @@ from agent.checkpoint.commit import Commit, commit
 from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir, snapshot_dir, step_of
 from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.retention import prune
-from agent.checkpoint.stage import Stager
+from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
 from agent.checkpoint.write import write_snapshot
 from agent.config import load_config
 from agent.errors import TorchreviveError
@@ -148,14 +148,16 @@ class Checkpointer:
         final = snapshot_dir(self.root, step)
         if is_committed(final):
             raise CheckpointError(f"{final}: a committed snapshot of step {step} exists; it is never overwritten")
-        _check_dtypes(final, app_state)
         started = time.perf_counter()
+        state_dicts = read_state_dicts(app_state)
+        _check_dtypes(final, state_dicts)
         group = self._save_group()
         replicated = compat.replicated_patterns(app_state)
         if self._stager is None:
-            self._write_and_commit(step, dict(app_state), replicated, group, started)
+            live = {key: FixedState(state) for key, state in state_dicts.items()}
+            self._write_and_commit(step, live, replicated, group, started)
             return True
-        staged = self._stager.stage(app_state)
+        staged = self._stager.stage(state_dicts)
         future = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started)
         self._in_flight = _InFlight(step, future)
         self.events.record("save_started", step=step, blocking_s=time.perf_counter() - started,
@@ -251,10 +253,10 @@ class _InFlight:
     future: Future[None]
 
 
-def _check_dtypes(path: Path, app_state: Mapping[str, Any]) -> None:
+def _check_dtypes(path: Path, state_dicts: Mapping[str, Any]) -> None:
     """Refuse, before writing anything, a tensor whose dtype the snapshot format cannot hold."""
-    for key, obj in app_state.items():
-        _, flattened = flatten(obj.state_dict(), prefix=key)
+    for key, state in state_dicts.items():
+        _, flattened = flatten(state, prefix=key)
         for logical_path, value in flattened.items():
             if isinstance(value, torch.Tensor) and value.dtype not in ALL_SUPPORTED_DTYPES:
                 raise CheckpointError(f"{path}: '{logical_path}' is {value.dtype}, which torchsnapshot cannot store "

@@ -22,12 +22,13 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchsnapshot.flatten import _encode, _should_flatten_dict
+from torchsnapshot.rng_state import RNGState
 
 
-class StagedState:
-    """A stateful whose ``state_dict`` is a staged copy: what torchsnapshot writes in the
-    background. It keeps the container types of the original, so the manifest is the same as a
-    direct save's."""
+class FixedState:
+    """A stateful whose ``state_dict`` was read already: a staged copy (what torchsnapshot writes
+    in the background) or the live state dict of a synchronous save. It keeps the container types
+    of the original, so the manifest is the same as a direct save's."""
 
     def __init__(self, state: Any) -> None:
         self._state = state
@@ -36,7 +37,21 @@ class StagedState:
         return self._state
 
     def load_state_dict(self, state_dict: Any) -> None:
-        raise TypeError("a staged copy is written, never restored into")
+        raise TypeError("a state read for a save is written, never restored into")
+
+
+def read_state_dicts(app_state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every stateful's ``state_dict()``, read once per save, the way torchsnapshot's take reads
+    them: an RNGState first, and put back afterwards (reading the others must not move the RNG
+    state that is saved), then the others in sorted key order, the same on every rank (a
+    ``state_dict`` may run collectives)."""
+    rng_keys = [key for key, obj in app_state.items() if isinstance(obj, RNGState)]
+    read = {key: app_state[key].state_dict() for key in rng_keys}
+    for key in sorted(set(app_state) - set(rng_keys)):
+        read[key] = app_state[key].state_dict()
+    for key in rng_keys:
+        app_state[key].load_state_dict(read[key])
+    return {key: read[key] for key in app_state}
 
 
 class Stager:
@@ -56,10 +71,11 @@ class Stager:
         """Host memory the staging buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, app_state: Mapping[str, Any]) -> dict[str, StagedState]:
-        """A staged copy of every stateful's ``state_dict()``, complete when this returns."""
+    def stage(self, state_dicts: Mapping[str, Any]) -> dict[str, FixedState]:
+        """A staged copy of every state dict (see :func:`read_state_dicts`), complete when this
+        returns."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = {key: StagedState(self._walk(obj.state_dict(), key, copies)) for key, obj in app_state.items()}
+        staged = {key: FixedState(self._walk(state, key, copies)) for key, state in state_dicts.items()}
         self._copy_all(copies)
         return staged
 
