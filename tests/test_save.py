@@ -222,6 +222,22 @@ def test_a_stale_round_never_commits(tmp_path):
     assert current.latest() == tmp_path / "step_2"
 
 
+def test_a_fence_that_moves_between_the_check_and_the_rename_still_stops_the_commit(tmp_path, monkeypatch):
+    from agent.checkpoint import commit as commit_module
+
+    checked = commit_module._stale
+
+    def leader_moves_on_right_after_the_check(save):
+        verdict = checked(save)  # round 3 is current here...
+        write_fence(tmp_path, 4)  # ...and the next round's leader records round 4 before the rename
+        return verdict
+
+    monkeypatch.setattr(commit_module, "_stale", leader_moves_on_right_after_the_check)
+    with pytest.raises(CheckpointError, match=r"round 3 is stale \(the job is in round 4\)"):
+        Checkpointer(tmp_path, round=3, staging=False).save(1, model_state(1))
+    assert not (tmp_path / "step_1").exists() and list_partial(tmp_path) == []
+
+
 def test_list_shows_a_dead_save_as_incomplete_and_retention_removes_it(tmp_path):
     Checkpointer(tmp_path, round=1, staging=False).save(1, model_state(1))
     dead = tmp_path / "step_2.r1.partial"

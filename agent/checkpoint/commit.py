@@ -71,8 +71,8 @@ def _commit_on_rank0(save: Commit, files: dict[str, Any], *, world_size: int) ->
             return stale
         os.rename(save.written, save.final)  # refused (ENOTEMPTY) over an existing snapshot
         fsync_dir(save.final.parent)
-    except OSError as exc:
-        return f"committing {save.written}: {exc}"
+    except OSError as exc:  # ENOENT when a newer round's fence moved the directory aside since the check
+        return _stale(save) or f"committing {save.written}: {exc}"
     return None
 
 

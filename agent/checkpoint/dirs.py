@@ -5,19 +5,22 @@
   ``step_<N>`` never holds a half-written save;
 * ``.torchrevive_round``: the fencing token, the newest rendezvous round of the job, written by
   each round's leader agent before its workers start. A save of an older round (the workers of a
-  node frozen and thawed after the others moved on) is refused at its commit.
+  node frozen and thawed after the others moved on) is refused at its commit; and the fence moves
+  every older round's ``.partial`` directory aside (``.fenced``, then removed), so a commit that
+  checked the fence a moment before it moved finds nothing to rename.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 COMMIT_MARKER = ".torchrevive_commit"
 FENCE_FILE = ".torchrevive_round"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_PARTIAL_DIR = re.compile(r"^step_(\d+)\.r(\d+|-)\.partial$")
+_PARTIAL_DIR = re.compile(r"^step_(\d+)\.r(\d+|-)\.(partial|fenced)$")
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
@@ -46,7 +49,7 @@ def list_snapshots(root: Path) -> list[tuple[int, Path]]:
 
 
 def list_partial(root: Path) -> list[tuple[int, Path]]:
-    """Every save still being written, or left behind by a dead one, oldest step first."""
+    """Every save still being written, or left behind by a dead or fenced one, oldest step first."""
     return _matching(root, _PARTIAL_DIR)
 
 
@@ -56,11 +59,22 @@ def committed_snapshots(root: Path) -> list[tuple[int, Path]]:
 
 
 def write_fence(root: Path, round: int) -> None:
-    """Record ``round`` as the job's newest (atomically: a temporary file renamed into place)."""
+    """Record ``round`` as the job's newest (a temporary file renamed into place), then move every
+    older round's save in progress aside. Its commit renames the same directory: rename is atomic,
+    so either that commit happened first (and lists as committed from now on) or it fails."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{FENCE_FILE}.{os.getpid()}.tmp"
     tmp.write_text(str(round))
     os.replace(tmp, root / FENCE_FILE)
+    for path in root.glob("step_*.r*.partial"):
+        match = _PARTIAL_DIR.match(path.name)
+        if match and match.group(2) != "-" and int(match.group(2)) < round:
+            fenced = path.with_suffix(".fenced")
+            try:
+                os.rename(path, fenced)
+            except FileNotFoundError:  # committed (or removed) a moment ago
+                continue
+            shutil.rmtree(fenced, ignore_errors=True)
 
 
 def fenced_round(root: Path) -> int | None:
