@@ -1,0 +1,1 @@
+"""The memory tier: snapshots in node RAM with a replica on a peer."""
