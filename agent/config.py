@@ -124,6 +124,13 @@ class CheckpointSection:
     staging: bool = True
     on_busy: Literal["wait", "skip"] = "wait"
     verify: Literal["off", "sample", "full"] = "sample"
+    memory_interval_steps: int = 0
+    """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
+    memory_dir: str | None = None
+    """The node's memory directory (default: /dev/shm/torchrevive-<job.id>)."""
+    memory_secret_file: str | None = None
+    """A file (mode 600) holding the secret agents prove to each other; default: one drawn by the
+    first agent and shared through the rendezvous store."""
 
 
 @dataclass(kw_only=True)
@@ -330,6 +337,10 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
     for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of", "restore.pinned_mb"):
         if config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1")
+    if config.checkpoint.memory_interval_steps < 0:
+        fail("checkpoint.memory_interval_steps", f"{config.checkpoint.memory_interval_steps} must be >= 0 (0: off)")
+    if config.checkpoint.memory_interval_steps and not config.checkpoint.dir:
+        fail("checkpoint.memory_interval_steps", "the memory tier needs checkpoint.dir too (the storage tier it falls back on)")
     for path in ("restore.io_threads", "elastic.global_batch_size", "elastic.micro_batch_size"):
         if config.get(path) is not None and config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1 (or leave it unset)")

@@ -8,6 +8,8 @@
 * give each round's workers a fresh store, the snapshot the round's leader chose, the gradient
   accumulation steps for the new world size, and the TORCHREVIVE_* contract;
 * warm the page cache with the node's share of that snapshot while the workers start;
+* with the memory tier on, serve the node's memory snapshots to its peers and restore from the
+  newest one the live nodes hold together (:mod:`agent.memory`);
 * record every phase as an event (and in Prometheus metrics when a port is configured).
 """
 
@@ -41,12 +43,15 @@ from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.membership import Change, MembershipWatch
+from agent.memory.tier import MemoryChoice, MemoryTier
 from agent.rendezvous.prompt import PromptOpExecutor
 from agent.checkpoint.dirs import committed_snapshots, write_fence
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
 JOB_SUCCEEDED_KEY = "torchrevive/job_succeeded"
+MEMORY_CHOICE = "memory:"
+"""RESTORE_FROM_KEY's value starts so when the round restores a memory snapshot."""
 
 
 class RecoveryAgent(LocalElasticAgent):
@@ -90,6 +95,9 @@ class RecoveryAgent(LocalElasticAgent):
         self._previous_participants: frozenset[str] = frozenset()
         self._restart_counted = False
         self._prefetch_stop = threading.Event()
+        self._memory = memory_tier(job)
+        self._memory_buddy = ""
+        self._restore_source = "storage"
         # Prefetch reads manifests through torchsnapshot (with DTensor and DCP: seconds of CPU on a
         # busy node). Loaded beside the first rendezvous: not before it, which would delay a
         # joining node, nor when the first workers start, which would slow them down.
@@ -107,6 +115,8 @@ class RecoveryAgent(LocalElasticAgent):
             worker.RESTORE_FROM: self._restore_from,
             worker.GRAD_ACCUM_STEPS: str(self._grad_accum_steps),
             worker.ROUND: "" if self._round is None else str(self._round),
+            worker.MEMORY_DIR: str(self._memory.root) if self._memory else "",
+            worker.MEMORY_BUDDY: self._memory_buddy,
         }
 
     # -- the monitor loop ----------------------------------------------------------------------
@@ -204,6 +214,8 @@ class RecoveryAgent(LocalElasticAgent):
             self._grad_accum_steps = grad_accum_steps(self._job, world_size)
         membership = self._watch.start_round() if self._watch else None
         self._round = membership.round if membership else None
+        if self._memory is not None and self._round is not None:
+            self._memory_buddy = self._memory.start_round(store, self._round, worker_group.group_rank, self._nodes_used)
         self._restore_from = self._agree_on_snapshot(worker_group)
         participants = membership.participants if membership else frozenset()
         lost, joined = self._previous_participants - participants, participants - self._previous_participants
@@ -238,15 +250,34 @@ class RecoveryAgent(LocalElasticAgent):
 
     def _agree_on_snapshot(self, worker_group: WorkerGroup) -> str:
         """The round's leader records the round as the checkpoint dir's fencing token (a save of
-        an older round can no longer commit) and picks the latest committed snapshot; every node
-        reads its choice."""
+        an older round can no longer commit) and picks the latest committed snapshot: the memory
+        tier's when the live nodes hold a newer (or the same) step, else storage's. Every node
+        reads its choice; for a memory snapshot, it pulls the files its node lacks first."""
         directory = self._job.checkpoint.dir
+        store = worker_group.store
         if worker_group.group_rank == 0:
             if directory and self._round is not None:
                 write_fence(Path(directory), self._round)
             committed = committed_snapshots(Path(directory)) if directory else []
-            worker_group.store.set(RESTORE_FROM_KEY, str(committed[-1][1]) if committed else "")
-        return worker_group.store.get(RESTORE_FROM_KEY).decode()
+            chosen = str(committed[-1][1]) if committed else ""
+            if self._memory is not None and self._round is not None:
+                in_memory = self._memory.choose(store, self._round, self._nodes_used)
+                if in_memory is not None and (not committed or in_memory.snapshot.step >= committed[-1][0]):
+                    chosen = MEMORY_CHOICE + in_memory.to_json()
+            store.set(RESTORE_FROM_KEY, chosen)
+        chosen = store.get(RESTORE_FROM_KEY).decode()
+        self._restore_source = "memory" if chosen.startswith(MEMORY_CHOICE) else "storage"
+        if self._restore_source == "storage":
+            return chosen
+        assert self._memory is not None and self._round is not None, "only a memory tier's leader chooses memory"
+        choice = MemoryChoice.from_json(chosen.removeprefix(MEMORY_CHOICE))
+        if self._standby:
+            return str(self._memory.root / choice.snapshot.relative)
+        started = time.monotonic()
+        local, pulled = self._memory.fetch(store, self._round, choice)
+        self.events.record("memory_fetch_done", snapshot=str(local), step=choice.snapshot.step, bytes=pulled,
+                           seconds=time.monotonic() - started)
+        return str(local)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._standby:
@@ -260,7 +291,7 @@ class RecoveryAgent(LocalElasticAgent):
         self.events.record("workers_started", seconds=time.monotonic() - started,
                            ranks=[w.global_rank for w in worker_group.workers])
         self._prev_world_size = worker_group.workers[0].world_size
-        if self._restore_from and self._job.restore.prefetch:
+        if self._restore_from and self._job.restore.prefetch and self._restore_source == "storage":
             self._start_prefetch(worker_group)
         return pids
 
@@ -314,6 +345,16 @@ class RecoveryAgent(LocalElasticAgent):
             return info
 
         handler.next_rendezvous = next_rendezvous_then_roles
+
+
+def memory_tier(job: JobConfig) -> MemoryTier | None:
+    """The agent's part of the memory tier, when the job turns it on (and has a rendezvous round
+    to fence it with: not the static backend)."""
+    if not job.checkpoint.memory_interval_steps or job.rendezvous.backend == "static":
+        return None
+    root = job.checkpoint.memory_dir or f"/dev/shm/torchrevive-{job.job.id}"
+    return MemoryTier(Path(root), host=job.launch.local_addr or socket.gethostname(),
+                      secret_file=job.checkpoint.memory_secret_file)
 
 
 def tcp_store_on(host: str, port: int = 0) -> dist.TCPStore:

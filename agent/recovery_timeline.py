@@ -53,6 +53,8 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
             "world_size_before": first_change.get("world_size"),
             "world_size_after": last_round["world_size"],
             "restored_step": next((e.get("step") for e in restores), None),
+            "restore_source": next((e.get("source") for e in restores), None),
+            "bytes_from_storage": sum(e.get("bytes_from_storage", 0) for e in restores),
             "phases": phases,
         }
     return None

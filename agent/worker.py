@@ -17,6 +17,8 @@ GRAD_ACCUM_STEPS = "TORCHREVIVE_GRAD_ACCUM_STEPS"
 EVENT_LOG = "TORCHREVIVE_EVENT_LOG"
 CONFIG = "TORCHREVIVE_CONFIG"
 ROUND = "TORCHREVIVE_ROUND"
+MEMORY_DIR = "TORCHREVIVE_MEMORY_DIR"
+MEMORY_BUDDY = "TORCHREVIVE_MEMORY_BUDDY"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +28,8 @@ class WorkerContext:
     ``prev_world_size`` is None in the first round; ``restore_from`` is None when the agent chose
     no snapshot (none exists yet, or the job runs without a checkpoint dir); ``round`` is the
     rendezvous round (the fencing token of saves), None outside torchrevive's agent.
+    ``memory_dir`` is the node's memory directory when the memory tier is on, ``memory_buddy``
+    the ``host:port`` of the agent that holds this node's replicas ("" with a single node).
     """
 
     rank: int
@@ -42,6 +46,8 @@ class WorkerContext:
     event_log: str | None
     config_path: str | None
     round: int | None = None
+    memory_dir: str | None = None
+    memory_buddy: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -76,4 +82,6 @@ class WorkerContext:
             event_log=optional(EVENT_LOG),
             config_path=optional(CONFIG),
             round=integer(ROUND, -1) if env.get(ROUND) else None,
+            memory_dir=optional(MEMORY_DIR),
+            memory_buddy=env.get(MEMORY_BUDDY, ""),
         )

@@ -36,6 +36,7 @@ from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots, snapshot_d
 from agent.checkpoint.verify import check_snapshot
 from agent.errors import RestoreError
 from agent.events import read_events
+from agent.memory.layout import MemorySnapshot
 from agent.recovery_timeline import recovery_after
 
 FAULT_KINDS = ("kill", "freeze", "partition", "join", "kill-worker", "kill-during-save", "kill-during-restore")
@@ -253,13 +254,23 @@ def lineage(checkpoints: Path, events: list[dict], final_step: int) -> list[tupl
     first: the final snapshot's round, the round that committed the snapshot it restored, ...
     It stops at a round that restored a snapshot no older than its own commit."""
     restored = {e["round"]: e.get("restore_from") for e in events if e["event"] == "rendezvous_done"}
-    chain, step = [], final_step
-    while step:
-        round_ = json.loads((snapshot_dir(checkpoints, step) / COMMIT_MARKER).read_text())["round"]
+    chain, snapshot = [], snapshot_dir(checkpoints, final_step)
+    while snapshot is not None:
+        step = step_of(snapshot)
+        round_ = _committed_by(snapshot)
         source = restored.get(round_)
         chain.append((round_, step_of(Path(source)) if source else 0, step))
-        step = chain[-1][1] if chain[-1][1] < step else 0
+        snapshot = Path(source) if source and chain[-1][1] < step else None
     return chain[::-1]
+
+
+def _committed_by(snapshot: Path) -> int:
+    """The round that committed ``snapshot``: its marker's, or for a memory snapshot (gone with
+    its node's tmpfs) the round its path names (r<round>/step_<N>)."""
+    try:
+        return MemorySnapshot.parse(f"{snapshot.parent.name}/{snapshot.name}").round
+    except ValueError:
+        return json.loads((snapshot / COMMIT_MARKER).read_text())["round"]
 
 
 def check(work: Path, steps: int, width: int, reference: Path) -> tuple[dict[str, bool], dict[str, Any]]:

@@ -162,6 +162,13 @@ class Cluster(Nodes):
         self.events = self.records
         self.width = width_for(args.state_mb)
         self.config = work / "job.yaml"
+        self.marks = work / "marks.jsonl"
+        self.memory_interval = getattr(args, "memory_interval", 0)
+        # With the memory tier, each node mounts a tmpfs of its own at this path in a mount
+        # namespace of its own: one path, a separate RAM disk per node, gone with the node.
+        self.memory_dir = Path(tempfile.mkdtemp(prefix="torchrevive-memory-", dir="/dev/shm")) \
+            if self.memory_interval else None
+        self.memory_mb = getattr(args, "memory_mb", None) or max(64, math.ceil(4 * args.state_mb))
         conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
                 "keep_alive_max_attempt": 3}
         self.config.write_text(yaml.safe_dump({
@@ -169,7 +176,8 @@ class Cluster(Nodes):
                     "max_restarts": getattr(args, "max_restarts", 5), "monitor_interval": 0.1},
             "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,
-                           "keep": getattr(args, "keep_snapshots", 2)},
+                           "keep": getattr(args, "keep_snapshots", 2), "memory_interval_steps": self.memory_interval,
+                           "memory_dir": str(self.memory_dir) if self.memory_dir else None},
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
             "observability": {"event_log": str(self.events)},
         }))
@@ -178,8 +186,22 @@ class Cluster(Nodes):
         local = [] if self.network is None else ["--local-addr", self.network.address(index)]
         command = [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
                    *local, self.script, "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width",
-                   str(self.width), *getattr(self.args, "train_args", [])]
+                   str(self.width), "--marks", str(self.marks), *getattr(self.args, "train_args", [])]
+        if self.memory_dir is not None:
+            command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                       f'mount -t tmpfs -o size={self.memory_mb}m,mode=700 tmpfs {self.memory_dir} && exec "$@"', "sh",
+                       *command]
         return command if self.network is None else self.network.wrap(index, command)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.memory_dir is not None:
+            self.memory_dir.rmdir()  # only the mount point: each node's tmpfs went with its namespace
+
+    def step_at(self, moment: float) -> int | None:
+        """The last step rank 0 finished at or before ``moment`` (from the job's step marks)."""
+        steps = [r["step"] for r in read_events(self.marks) if r["time"] <= moment] if self.marks.exists() else []
+        return max(steps, default=None)
 
     def pids(self, index: int) -> set[int]:
         """Node ``index``'s agent and workers, as they are now."""
@@ -269,6 +291,9 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 continue
             timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
                                         f"recovery after {scenario}")
+            reached = cluster.step_at(fault_at)
+            if reached is not None and timeline["restored_step"] is not None:
+                timeline["steps_lost"] = reached - timeline["restored_step"]
             results.append({"scenario": scenario, **timeline})
             print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
                   f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
@@ -503,6 +528,10 @@ def main() -> None:
                         "starts (etcd3)")
     parser.add_argument("--state-mb", type=float, default=64)
     parser.add_argument("--interval-steps", type=int, default=5)
+    parser.add_argument("--memory-interval", type=int, default=0, metavar="K",
+                        help="a memory snapshot every K steps (the memory tier; 0: off); each node gets a tmpfs of "
+                             "its own in a mount namespace of its own (root)")
+    parser.add_argument("--memory-mb", type=int, default=None, help="each node's tmpfs size (default 4x --state-mb)")
     parser.add_argument("--baseline", action="store_true")
     parser.add_argument("--baseline-unshared-store", action="store_true",
                         help="also run the baseline with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")

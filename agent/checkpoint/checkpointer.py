@@ -36,6 +36,7 @@ from agent.checkpoint.write import write_snapshot
 from agent.config import load_config
 from agent.errors import TorchreviveError
 from agent.events import EventLog
+from agent.memory.saver import MemorySaver
 from agent.worker import WorkerContext
 
 SAVE_GROUP_TIMEOUT = timedelta(minutes=10)
@@ -66,6 +67,7 @@ class Checkpointer:
         events: where save and restore events go (default: the log the agent configured).
         round: this round's number, the fencing token a commit is checked against (default: the
             one the agent gives the worker; None outside an agent: no fencing).
+        memory: the memory tier's saver (see :mod:`agent.memory`); None: storage only.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Checkpointer:
         restore_options: Mapping[str, Any] | None = None,
         events: EventLog | None = None,
         round: int | None = None,
+        memory: MemorySaver | None = None,
     ) -> None:
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
@@ -98,6 +101,7 @@ class Checkpointer:
         self._stager = Stager() if staging else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-save") if staging else None
         self._group: dist.ProcessGroup | None = None
+        self.memory = memory
         self._in_flight: _InFlight | None = None
         self._restored_from: Path | None = None
         self._first_step_pending = False
@@ -122,6 +126,7 @@ class Checkpointer:
                              "trust_pickles": config.restore.trust_pickles, "pinned_mb": config.restore.pinned_mb},
             events=EventLog.for_worker(ctx),
             round=ctx.round,
+            memory=_memory_saver(ctx, config.checkpoint.memory_interval_steps),
         )
 
     def latest(self) -> Path | None:
@@ -172,12 +177,17 @@ class Checkpointer:
             self._first_step_pending = False
             self.events.record("first_step_done", step=step,
                                restored_from=str(self._restored_from) if self._restored_from else None)
-        if step % self.interval_steps:
-            return False
-        return self.save(step, app_state)
+        if step % self.interval_steps == 0:
+            return self.save(step, app_state)
+        if self.memory is not None and step % self.memory.interval_steps == 0:
+            self.memory.save(step, read_state_dicts(app_state), compat.replicated_patterns(app_state))
+        return False
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any, to be committed; CheckpointError if it failed."""
+        """Wait for the save in flight, if any, to be committed; CheckpointError if it failed.
+        A memory snapshot in flight is waited for too (its failure is only reported)."""
+        if self.memory is not None:
+            self.memory.wait()
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             try:
@@ -201,13 +211,16 @@ class Checkpointer:
         candidates = [p for _, p in reversed(committed_snapshots(self.root))]
         if chosen:
             candidates = [Path(chosen)] + [p for p in candidates if p != Path(chosen)]
-        restored = restore_first_good(candidates, app_state, self.restore_options, self.events)
+        restored = restore_first_good(candidates, app_state, self.restore_options, self.events,
+                                      fully_verified=self.memory.root if self.memory else None)
         if restored is None:
             return None
         self._restored_from, stats = restored
+        from_memory = self.memory is not None and self._restored_from.is_relative_to(self.memory.root)
         self.events.record("restore_done", snapshot=str(self._restored_from), step=step_of(self._restored_from),
                            bytes=stats.bytes_read, seconds=stats.seconds, gbps=stats.gbps,
-                           bytes_verified=stats.bytes_verified)
+                           bytes_verified=stats.bytes_verified, source="memory" if from_memory else "storage",
+                           bytes_from_storage=0 if from_memory else stats.bytes_read)
         return step_of(self._restored_from)
 
     def _busy(self) -> bool:
@@ -245,6 +258,14 @@ class Checkpointer:
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
         if rank(group) == 0:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
+
+
+def _memory_saver(ctx: WorkerContext, interval_steps: int) -> MemorySaver | None:
+    """The memory tier's saver, when the job turns it on and the agent gave this rank a memory dir."""
+    if not interval_steps or not ctx.memory_dir or ctx.round is None:
+        return None
+    return MemorySaver(Path(ctx.memory_dir), interval_steps=interval_steps, buddy=ctx.memory_buddy, round=ctx.round,
+                       local_rank=ctx.local_rank, events=EventLog.for_worker(ctx))
 
 
 @dataclass(frozen=True)

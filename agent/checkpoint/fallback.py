@@ -16,15 +16,17 @@ from agent.restore.engine import restore as restore_snapshot
 
 
 def restore_first_good(candidates: Sequence[Path], app_state: Mapping[str, Any], options: Mapping[str, Any],
-                       events: EventLog) -> tuple[Path, RestoreStats] | None:
+                       events: EventLog, *, fully_verified: Path | None = None) -> tuple[Path, RestoreStats] | None:
     """The first of ``candidates`` that restores on every rank, with this rank's stats; None
-    when there is no candidate. Each failure warns and records ``restore_fallback``; when none
-    restores, RestoreError naming the last error."""
+    when there is no candidate. A candidate under ``fully_verified`` (the memory tier's files,
+    which came from peers) has every block checked. Each failure warns and records
+    ``restore_fallback``; when none restores, RestoreError naming the last error."""
     error = None
     for path in candidates:
         stats = None
+        verify = "full" if fully_verified is not None and path.is_relative_to(fully_verified) else options.get("verify")
         try:
-            stats = restore_snapshot(path, app_state, **options)
+            stats = restore_snapshot(path, app_state, **{**options, "verify": verify})
         except RestoreError as exc:
             error = str(exc)
         error = first_error(None if stats else error)

@@ -1,0 +1,147 @@
+"""Memory snapshots, the worker's side: every ``interval_steps`` each rank stages its state (the
+same staged copy as a storage save, in buffers of its own), writes it in torchsnapshot's format
+into its node's memory directory (tmpfs), and pushes the files it wrote to its node's buddy agent.
+Rank 0 commits once every rank's files are on two nodes: the checksum record and the marker go to
+the buddy first, then into its own copy.
+
+All of it runs in the background on a gloo group of its own. A save still in flight when the next
+is due is skipped (every rank decides together). A failure (tmpfs full, the buddy gone) is a
+warning and a ``memory_save_failed`` event, never an exception: the storage tier goes on as if
+the memory tier were off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from agent.checkpoint.checksums import CHECKSUMS_FILE, FileDigest, write_checksums
+from agent.checkpoint.collectives import first_error, from_rank0, gather, rank
+from agent.checkpoint.dirs import COMMIT_MARKER
+from agent.checkpoint.stage import Stager
+from agent.checkpoint.write import write_snapshot
+from agent.events import EventLog
+from agent.memory.layout import SECRET_FILE, MemorySnapshot, prune
+from agent.memory.peer_files import PeerError, PeerFileClient, read_secret
+
+
+class MemorySaver:
+    """Writes memory snapshots of this rank's state (see the module doc).
+
+    Args:
+        root: this node's memory directory.
+        interval_steps: a memory snapshot every this many steps.
+        buddy: ``host:port`` of the buddy node's agent ("" when the job has one node: then nothing
+            is committed, as a snapshot must be in RAM on two nodes).
+        round: this round's number (a buddy of another round refuses the files).
+        local_rank: the node's local rank 0 prunes the node's older snapshots.
+        events: where ``memory_save_committed`` / ``memory_save_failed`` go.
+    """
+
+    def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
+                 events: EventLog) -> None:
+        self.root, self.interval_steps, self.round = Path(root), interval_steps, round
+        self._buddy = _address(buddy) if buddy else None
+        self._secret = read_secret(self.root / SECRET_FILE) if buddy else b""
+        self._local_rank, self.events = local_rank, events
+        self._stager = Stager()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory")
+        self._group: dist.ProcessGroup | None = None
+        self._in_flight: Future[None] | None = None
+        self._warned: set[str] = set()
+        self.skipped = 0
+        """Saves skipped because the previous one was still being written."""
+
+    def save(self, step: int, state_dicts: Mapping[str, Any], replicated: list[str]) -> bool:
+        """Stage ``state_dicts`` and write the memory snapshot of ``step`` in the background;
+        False when skipped (the previous one is still in flight on some rank)."""
+        busy = self._in_flight is not None and not self._in_flight.done()
+        if first_error("busy" if busy else None) is not None:
+            self.skipped += 1
+            return False
+        started = time.perf_counter()
+        group = self._save_group()
+        staged = self._stager.stage(state_dicts)
+        self._in_flight = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started)
+        return True
+
+    def wait(self) -> None:
+        """Wait for the memory snapshot in flight, if any (its failure is already reported)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+
+    def _save_group(self) -> dist.ProcessGroup | None:
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _write_and_commit(self, step: int, staged: dict[str, Any], replicated: list[str],
+                          group: dist.ProcessGroup | None, started: float) -> None:
+        snapshot = MemorySnapshot(self.round, step)
+        path = self.root / snapshot.relative
+        record = write_snapshot(path, staged, replicated=replicated, group=group)
+        error = record.error or self._replicate(path, snapshot, record.files)
+        outcomes = gather((error, record.files), group)
+        error = next((e for e, _ in outcomes if e), None)
+        files = {name: digest for _, written in outcomes for name, digest in written.items()}
+        if rank(group) == 0 and error is None:
+            error = self._commit_on_rank0(path, snapshot, files, world_size=len(outcomes))
+        error = from_rank0(error, group)
+        if error is not None:
+            self._failed(step, error)
+            return
+        if self._local_rank == 0:
+            prune(self.root, snapshot)
+        if rank(group) == 0:
+            self.events.record("memory_save_committed", step=step, snapshot=str(path),
+                               seconds=time.perf_counter() - started, bytes=sum(d.size for d in files.values()))
+
+    def _replicate(self, path: Path, snapshot: MemorySnapshot, files: Mapping[str, FileDigest]) -> str | None:
+        """Push this rank's files to the buddy; the error, if any."""
+        if self._buddy is None:
+            return "the job runs on one node: a memory snapshot needs a buddy node to hold its replica"
+        try:
+            with PeerFileClient(self._buddy, self._secret, round=self.round) as client:
+                for name in sorted(files):
+                    client.put(path / name, f"{snapshot.relative}/{name}")
+        except (PeerError, OSError) as exc:
+            return f"replicating to the buddy node: {exc}"
+        return None
+
+    def _commit_on_rank0(self, path: Path, snapshot: MemorySnapshot, files: dict[str, FileDigest], *,
+                         world_size: int) -> str | None:
+        """The checksum record and the marker: on the buddy first, then here (marker last)."""
+        assert self._buddy is not None, "a save without a buddy fails before its commit"
+        try:
+            write_checksums(path, files)
+            marker = path / (COMMIT_MARKER + ".tmp")
+            marker.write_text(json.dumps({"step": snapshot.step, "world_size": world_size, "round": snapshot.round,
+                                          "committed_at": time.time(), "tier": "memory"}))
+            with PeerFileClient(self._buddy, self._secret, round=self.round) as client:
+                client.put(path / CHECKSUMS_FILE, f"{snapshot.relative}/{CHECKSUMS_FILE}")
+                client.put(marker, f"{snapshot.relative}/{COMMIT_MARKER}")
+            os.replace(marker, path / COMMIT_MARKER)
+        except (PeerError, OSError) as exc:
+            return f"committing {path}: {exc}"
+        return None
+
+    def _failed(self, step: int, error: str) -> None:
+        if rank(self._group) == 0:
+            self.events.record("memory_save_failed", step=step, error=error)
+        if error not in self._warned:  # once per distinct cause: saves may run every step
+            self._warned.add(error)
+            warnings.warn(f"memory snapshot of step {step} not committed ({error}); the storage tier is unaffected",
+                          stacklevel=2)
+
+
+def _address(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
