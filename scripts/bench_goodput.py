@@ -8,6 +8,8 @@ Every --kill-every-s seconds a node (never node 0, which hosts the c10d store; t
 rotate over the others that are up) is killed with SIGKILL, agent and workers, and comes back
 --rejoin-after-s seconds later as a joining node. Approaches (--approaches; one APPROACHES entry each):
   fault_free           torchrevive, no faults: the reference
+  torchrevive_memory   torchrevive with the memory tier (a snapshot in the nodes' RAM every
+                       --memory-interval steps) and the same storage snapshots
   torchrevive_storage  torchrevive, storage snapshots only
   torchrun_classic     plain torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
                        examples/classic_train.py: rank 0 torch.load + broadcast
@@ -71,11 +73,19 @@ class Approach:
     faults: bool = True
 
 
-def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
-    """`torchrevive run` agents, storage snapshots every --interval-steps."""
-    job = argparse.Namespace(**vars(args), backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                             max_restarts=MAX_RESTARTS, train_args=["--marks", str(marks)])
-    return Cluster(job, work)
+def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path, *, memory_interval: int = 0) -> Nodes:
+    """`torchrevive run` agents, storage snapshots every --interval-steps (and memory snapshots
+    every ``memory_interval`` steps)."""
+    job = argparse.Namespace(**{**vars(args), "memory_interval": memory_interval}, backend="c10d",
+                             rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=MAX_RESTARTS)
+    cluster = Cluster(job, work)
+    assert cluster.marks == marks, "the harness's step marks are the ones measured"
+    return cluster
+
+
+def torchrevive_memory_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """`torchrevive run` agents with the memory tier: a memory snapshot every --memory-interval steps."""
+    return torchrevive_nodes(args, work, marks, memory_interval=args.memory_interval)
 
 
 def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
@@ -84,9 +94,9 @@ def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
                           max_restarts=MAX_RESTARTS)
 
 
-# The memory tier's approach (torchrevive_memory) becomes one more entry once that tier exists.
 APPROACHES: dict[str, Approach] = {
     "fault_free": Approach(torchrevive_nodes, faults=False),
+    "torchrevive_memory": Approach(torchrevive_memory_nodes),
     "torchrevive_storage": Approach(torchrevive_nodes),
     "torchrun_classic": Approach(classic_nodes),
 }
@@ -183,6 +193,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-every-s", type=float, default=60)
     parser.add_argument("--rejoin-after-s", type=float, default=20)
     parser.add_argument("--interval-steps", type=int, default=50, help="storage snapshot interval, every approach")
+    parser.add_argument("--memory-interval", type=int, default=1, help="torchrevive_memory's memory snapshot interval")
     parser.add_argument("--approaches", default=",".join(APPROACHES), help=f"comma-separated, of {', '.join(APPROACHES)}")
     parser.add_argument("--timeout", type=float, default=300, help="give up when a job has not started after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, marks, events, checkpoints)")

@@ -29,9 +29,13 @@ Node 0 is started first and hosts the c10d store; the fault hits node --fault-no
 last). `--baseline` runs the same scenario with plain torchrun and the classic restore (rank 0
 torch.load + broadcast, examples/classic_train.py), capped at --cap-s.
 
+`--memory-interval K` turns the memory tier on (a memory snapshot every K steps); each node then
+mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its own (root).
+
 JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
-"world_size_before", "world_size_after", "phases": {detect, rendezvous, workers_start, restore,
-first_step}}, "baseline": {"recovery_s", "capped", "cap_s"}}; with several scenarios, "runs" holds
+"world_size_before", "world_size_after", "restored_step", "restore_source" (memory or storage),
+"bytes_from_storage", "steps_lost" (the step at the fault less the step restored), "phases":
+{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"recovery_s", "capped", "cap_s"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
 fault's run holds its checks, and "ok" when all hold.
 """
