@@ -35,6 +35,16 @@ ByteRange = tuple[str, int, int]
 
 def node_share(snapshot: Path, ranks: Iterable[int], world_size: int) -> list[ByteRange]:
     """The byte ranges of ``snapshot`` that ``ranks`` (of ``world_size``) will read, merged."""
+    return _merged(_wanted(snapshot, ranks, world_size), snapshot)
+
+
+def files_read(snapshot: Path, ranks: Iterable[int], world_size: int) -> set[str]:
+    """The files of ``snapshot`` (relative) that ``ranks`` (of ``world_size``) will read; only the
+    snapshot's metadata needs to be there."""
+    return {name for name, _, _ in _wanted(snapshot, ranks, world_size)}
+
+
+def _wanted(snapshot: Path, ranks: Iterable[int], world_size: int) -> list[ByteRange]:
     metadata = load_metadata(snapshot)
     wanted: list[ByteRange] = []
     for rank in ranks:
@@ -49,7 +59,7 @@ def node_share(snapshot: Path, ranks: Iterable[int], world_size: int) -> list[By
                 sharded = isinstance(entry, (DTensorEntry, ShardedTensorEntry)) and not is_fully_replicated_entry(entry)
                 rows = _even_rows(stored.shape, rank, world_size) if sharded else None
                 wanted.extend(_chunk_range(chunk, rows) for chunk in stored.chunks)
-    return _merged([r for r in wanted if r is not None], snapshot)
+    return [r for r in wanted if r is not None]
 
 
 def prefetch(snapshot: Path, ranges: list[ByteRange], *, threads: int = 4,

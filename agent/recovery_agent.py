@@ -271,13 +271,17 @@ class RecoveryAgent(LocalElasticAgent):
             return chosen
         assert self._memory is not None and self._round is not None, "only a memory tier's leader chooses memory"
         choice = MemoryChoice.from_json(chosen.removeprefix(MEMORY_CHOICE))
+        local = str(self._memory.root / choice.snapshot.relative)
         if self._standby:
-            return str(self._memory.root / choice.snapshot.relative)
-        started = time.monotonic()
-        local, pulled = self._memory.fetch(store, self._round, choice)
-        self.events.record("memory_fetch_done", snapshot=str(local), step=choice.snapshot.step, bytes=pulled,
-                           seconds=time.monotonic() - started)
-        return str(local)
+            return local
+
+        def fetched(pulled: int, seconds: float) -> None:
+            self.events.record("memory_fetch_done", snapshot=local, step=choice.snapshot.step, bytes=pulled,
+                               seconds=seconds)
+
+        ranks = [w.global_rank for w in worker_group.workers]
+        self._memory.start_fetch(store, self._round, choice, ranks, worker_group.workers[0].world_size, fetched)
+        return local
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._standby:

@@ -36,12 +36,18 @@ from agent.checkpoint.write import write_snapshot
 from agent.config import load_config
 from agent.errors import TorchreviveError
 from agent.events import EventLog
+from agent.memory.layout import wait_fetched
 from agent.memory.saver import MemorySaver
 from agent.worker import WorkerContext
 
 SAVE_GROUP_TIMEOUT = timedelta(minutes=10)
 """The bound on any one collective of the background writer: a rank that dies in the middle of a
 save fails the others' save after this long instead of the training's own timeout."""
+
+
+MEMORY_FETCH_TIMEOUT_S = 600.0
+"""How long a rank waits for its agent to pull a memory snapshot's files from the peers; past it,
+the restore finds what is missing and falls back to storage with the other ranks."""
 
 
 class CheckpointError(TorchreviveError):
@@ -208,6 +214,9 @@ class Checkpointer:
         self.wait()
         self._first_step_pending = True
         chosen = WorkerContext.from_env().restore_from
+        if chosen and self.memory is not None and Path(chosen).is_relative_to(self.memory.root):
+            # The agent pulls the files this node lacks from its peers while the workers start.
+            wait_fetched(Path(chosen), self.memory.round, timeout=MEMORY_FETCH_TIMEOUT_S)
         candidates = [p for _, p in reversed(committed_snapshots(self.root))]
         if chosen:
             candidates = [Path(chosen)] + [p for p in candidates if p != Path(chosen)]

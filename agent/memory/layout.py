@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from agent.checkpoint.dirs import COMMIT_MARKER
 _ROUND_DIR = re.compile(r"^r(\d+)$")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 SECRET_FILE = ".torchrevive_memory_secret"
+FETCHED_FILE = ".torchrevive_fetched"
 
 
 @dataclass(frozen=True, order=True)
@@ -61,7 +63,7 @@ def inventory(root: Path) -> dict[str, dict]:
     for snapshot in snapshots(root):
         path = root / snapshot.relative
         files = {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*")
-                 if p.is_file() and not p.name.endswith(".incoming")}
+                 if p.is_file() and not p.name.endswith(".incoming") and not p.name.startswith(FETCHED_FILE)}
         entry: dict = {"files": files}
         if COMMIT_MARKER in files and CHECKSUMS_FILE in files:
             try:
@@ -72,6 +74,25 @@ def inventory(root: Path) -> dict[str, dict]:
                 pass  # a damaged record: this node cannot vouch for the snapshot
         held[snapshot.relative] = entry
     return held
+
+
+def mark_fetched(snapshot: Path, round: int, summary: dict) -> None:
+    """Tell round ``round``'s workers that their agent is done pulling ``snapshot``'s files."""
+    tmp = snapshot / f"{FETCHED_FILE}.r{round}.tmp"
+    tmp.write_text(json.dumps(summary))
+    tmp.rename(snapshot / f"{FETCHED_FILE}.r{round}")
+
+
+def wait_fetched(snapshot: Path, round: int, *, timeout: float, poll: float = 0.005) -> bool:
+    """Wait until the agent is done pulling ``snapshot``'s files for ``round``; False on timeout
+    (the restore then finds what is missing, and falls back)."""
+    done = snapshot / f"{FETCHED_FILE}.r{round}"
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
 
 
 def prune(root: Path, committed: MemorySnapshot) -> None:

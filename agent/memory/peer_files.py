@@ -327,3 +327,9 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     if len(secret) < 16:
         raise PeerError(f"{path}: the memory tier's secret is {len(secret)} bytes; use at least 16")
     return hashlib.sha256(secret).digest()
+
+
+def parse_address(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a socket address."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)

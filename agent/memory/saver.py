@@ -30,7 +30,7 @@ from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import write_snapshot
 from agent.events import EventLog
 from agent.memory.layout import SECRET_FILE, MemorySnapshot, prune
-from agent.memory.peer_files import PeerError, PeerFileClient, read_secret
+from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_secret
 
 
 class MemorySaver:
@@ -49,7 +49,7 @@ class MemorySaver:
     def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
                  events: EventLog) -> None:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
-        self._buddy = _address(buddy) if buddy else None
+        self._buddy = parse_address(buddy) if buddy else None
         self._secret = read_secret(self.root / SECRET_FILE) if buddy else b""
         self._local_rank, self.events = local_rank, events
         self._stager = Stager()
@@ -140,8 +140,3 @@ class MemorySaver:
             self._warned.add(error)
             warnings.warn(f"memory snapshot of step {step} not committed ({error}); the storage tier is unaffected",
                           stacklevel=2)
-
-
-def _address(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)

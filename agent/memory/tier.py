@@ -4,9 +4,10 @@ recovery helps the round's leader pick the newest snapshot it can restore withou
 
 Per round, through the round's store: each active node publishes its data plane's address and
 its inventory (the memory snapshots it holds, file by file). The leader picks the newest
-committed memory snapshot whose every file is on some live node, or none; each agent then pulls
-the files its node lacks from the nodes that hold them, so its ranks restore it from local RAM
-through the same engine as a storage snapshot, resharded to the new world size.
+committed memory snapshot whose every file is on some live node, or none; while its workers start,
+each agent pulls the files its ranks will read and its node lacks from the nodes that hold them,
+so its ranks restore from local RAM through the same engine as a storage snapshot, resharded to
+the new world size.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.memory.layout import SECRET_FILE, MemorySnapshot, inventory
-from agent.memory.peer_files import PeerError, PeerFileClient, PeerFileServer, read_secret
+from agent.checkpoint.checksums import CHECKSUMS_FILE
+from agent.checkpoint.dirs import COMMIT_MARKER
+from agent.errors import RestoreError
+from agent.memory.layout import SECRET_FILE, MemorySnapshot, inventory, mark_fetched
+from agent.memory.peer_files import PeerError, PeerFileClient, PeerFileServer, parse_address, read_secret
 
 _PREFIX = "torchrevive/memory"
 
@@ -86,31 +92,58 @@ class MemoryTier:
         held = {g: json.loads(store.get(f"{_PREFIX}/{round}/inventory/{g}")) for g in range(active_nodes)}
         return newest_complete(held)
 
-    def fetch(self, store: Any, round: int, choice: MemoryChoice) -> tuple[Path, int]:
-        """Pull the files of ``choice`` this node lacks from the nodes holding them; the local
-        snapshot directory and the bytes pulled. A file that cannot be pulled is left missing:
-        the ranks' restore then fails on it and falls back to storage, all together."""
+    def start_fetch(self, store: Any, round: int, choice: MemoryChoice, ranks: list[int], world_size: int,
+                    on_done: Callable[[int, float], None]) -> None:
+        """Pull, in the background while the workers start, the files of ``choice`` that this
+        node's ``ranks`` (of ``world_size``) will read and the node lacks, into the same path
+        here. When done it calls ``on_done(bytes, seconds)`` and marks the directory (the ranks
+        wait for that). A file that cannot be pulled is left missing: the
+        ranks' restore then fails on it and falls back to storage, all together."""
         local = self.root / choice.snapshot.relative
-        missing: dict[int, list[str]] = {}
-        for name, holder in sorted(choice.holders.items()):
-            if not (local / name).is_file():
-                missing.setdefault(holder, []).append(name)
+        local.mkdir(parents=True, exist_ok=True)
+        addresses = {g: parse_address(store.get(f"{_PREFIX}/{round}/address/{g}").decode())
+                     for g in set(choice.holders.values())}
+        threading.Thread(target=self._fetch, args=(local, round, choice, addresses, ranks, world_size, on_done),
+                         name="torchrevive-memory-fetch", daemon=True).start()
 
-        def pull(holder: int, names: list[str]) -> int:
-            address = store.get(f"{_PREFIX}/{round}/address/{holder}").decode()
-            host, _, port = address.rpartition(":")
+    def _fetch(self, local: Path, round: int, choice: MemoryChoice, addresses: dict[int, tuple[str, int]],
+               ranks: list[int], world_size: int, on_done: Callable[[int, float], None]) -> None:
+        from torchsnapshot.snapshot import SNAPSHOT_METADATA_FNAME
+
+        from agent.prefetch import files_read
+
+        started, pulled = time.monotonic(), 0
+        try:
+            records = [name for name in (SNAPSHOT_METADATA_FNAME, CHECKSUMS_FILE, COMMIT_MARKER) if name in choice.holders]
+            pulled += self._pull(local, round, choice, addresses, records)
+            pulled += self._pull(local, round, choice, addresses, sorted(files_read(local, ranks, world_size)))
+        except (OSError, RestoreError):
+            pass  # left missing: see start_fetch
+        finally:
+            seconds = time.monotonic() - started
+            mark_fetched(local, round, {"bytes": pulled, "seconds": seconds})
+            on_done(pulled, seconds)
+
+    def _pull(self, local: Path, round: int, choice: MemoryChoice, addresses: dict[int, tuple[str, int]],
+              names: list[str]) -> int:
+        """Pull the ``names`` not here yet, from each holder in parallel; the bytes pulled."""
+        by_holder: dict[int, list[str]] = {}
+        for name in names:
+            if name in choice.holders and not (local / name).is_file():
+                by_holder.setdefault(choice.holders[name], []).append(name)
+
+        def pull(holder: int, wanted: list[str]) -> int:
             pulled = 0
             try:
-                with PeerFileClient((host, int(port)), self._secret, round=round) as client:
-                    for name in names:
+                with PeerFileClient(addresses[holder], self._secret, round=round) as client:
+                    for name in wanted:
                         pulled += client.get(f"{choice.snapshot.relative}/{name}", local / name)
             except (PeerError, OSError):
-                pass  # left missing: see the docstring
+                pass  # left missing: see start_fetch
             return pulled
 
-        with ThreadPoolExecutor(max_workers=max(1, len(missing))) as pool:
-            pulled = sum(pool.map(lambda item: pull(*item), missing.items()))
-        return local, pulled
+        with ThreadPoolExecutor(max_workers=max(1, len(by_holder))) as pool:
+            return sum(pool.map(lambda item: pull(*item), by_holder.items()))
 
     def _ensure_server(self, store: Any) -> None:
         if self._server is not None:
