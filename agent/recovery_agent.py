@@ -119,6 +119,15 @@ class RecoveryAgent(LocalElasticAgent):
             worker.MEMORY_BUDDY: self._memory_buddy,
         }
 
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """torch's run; the node's memory snapshots are dropped when the agent ends (the job
+        succeeded or failed for good: storage holds what outlives it)."""
+        try:
+            return super().run(role)
+        finally:
+            if self._memory is not None:
+                self._memory.close()
+
     # -- the monitor loop ----------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -252,7 +261,7 @@ class RecoveryAgent(LocalElasticAgent):
         """The round's leader records the round as the checkpoint dir's fencing token (a save of
         an older round can no longer commit) and picks the latest committed snapshot: the memory
         tier's when the live nodes hold a newer (or the same) step, else storage's. Every node
-        reads its choice; for a memory snapshot, it pulls the files its node lacks first."""
+        reads its choice; for a memory snapshot, it starts pulling the files its ranks lack."""
         directory = self._job.checkpoint.dir
         store = worker_group.store
         if worker_group.group_rank == 0:

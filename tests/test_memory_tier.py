@@ -11,13 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from conftest import REPO, free_port
 
 from agent.events import read_events
-from agent.memory.layout import MemorySnapshot
-from agent.memory.tier import newest_complete
+from agent.memory.layout import SECRET_FILE, MemorySnapshot
+from agent.memory.peer_files import PeerFileClient, read_secret
+from agent.memory.tier import MemoryTier, newest_complete
 from agent.recovery_timeline import recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -151,3 +155,30 @@ def test_a_full_tmpfs_warns_and_the_storage_tier_goes_on(tmp_path):
     assert failed and "No space left on device" in failed[0]["error"]
     assert not [e for e in events if e["event"] == "memory_save_committed"]
     assert "memory snapshot of step" in (tmp_path / "node0.log").read_text()  # the warning
+
+
+def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_end(tmp_path):
+    job_store = dist.HashStore()
+    job_store.set_timeout(timedelta(seconds=30))
+    round_store = dist.PrefixStore("torch.rendezvous.job.4", job_store)  # as torch's rendezvous wraps it
+    tiers = [MemoryTier(tmp_path / f"node{g}", host="127.0.0.1", secret_file=None) for g in (0, 1)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            buddies = list(pool.map(lambda g: tiers[g].start_round(round_store, 4, g, 2), (0, 1)))
+        addresses = ["%s:%d" % tier._server.address for tier in tiers]
+        assert buddies == [addresses[1], addresses[0]]
+        secrets = [(tier.root / SECRET_FILE).read_bytes() for tier in tiers]
+        assert secrets[0] == secrets[1] and oct((tiers[0].root / SECRET_FILE).stat().st_mode & 0o777) == "0o600"
+        (tiers[1].root / "r4" / "step_3").mkdir(parents=True)
+        (tiers[1].root / "r4" / "step_3" / "f").write_bytes(b"x" * 10)
+        with PeerFileClient(tiers[1]._server.address, read_secret(tiers[0].root / SECRET_FILE), round=4) as client:
+            assert client.list("r4") == {"step_3/f": 10}
+        # A later round (another prefix) and a new agent: the same secret, kept outside the rounds.
+        late = MemoryTier(tmp_path / "node2", host="127.0.0.1", secret_file=None)
+        tiers.append(late)
+        assert late.start_round(dist.PrefixStore("torch.rendezvous.job.5", job_store), 5, 0, 1) == ""  # alone: no buddy
+        assert (late.root / SECRET_FILE).read_bytes() == secrets[0]
+    finally:
+        for tier in tiers:
+            tier.close()
+    assert all(not any(tier.root.iterdir()) for tier in tiers)

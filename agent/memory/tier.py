@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -69,8 +70,14 @@ class MemoryTier:
         self._secret = b""
 
     def close(self) -> None:
+        """Stop serving and free the node's RAM: the memory directory's contents go."""
         if self._server is not None:
             self._server.close()
+        for path in self.root.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def start_round(self, store: Any, round: int, group_rank: int, active_nodes: int) -> str:
         """Publish this node's address and inventory for ``round``; the buddy's ``host:port``
