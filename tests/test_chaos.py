@@ -1,7 +1,8 @@
 """The chaos soak's short form: three seeded random faults (seed 21: a worker killed, a node frozen
-and thawed, two nodes killed one during the other's recovery) into one 3-node job through the real
-harness CLI; the job must finish and pass every invariant (scripts/chaos.py). Then the finished
-job's files are damaged three ways, and the checks must see each. No fault restarts a killed node:
+and thawed, two nodes killed one during the other's recovery) into one 3-node job with both tiers
+(memory snapshots every step, storage every 50) through the real harness CLI; the job must finish
+and pass every invariant (scripts/chaos.py). Then the finished job's files are damaged three ways,
+and the checks must see each. No fault restarts a killed node:
 a node starting under load takes long enough for the others to finish a short job meanwhile."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import chaos
 from local_cluster import width_for
 
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots
+from agent.events import read_events
 
 SEED, STEPS, STATE_MB = 21, 300, 4
 
@@ -27,7 +29,7 @@ def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
     report_path = tmp_path / "chaos.json"
     done = subprocess.run(
         [sys.executable, "scripts/local_cluster.py", "--nodes", "3", "--state-mb", str(STATE_MB), "--chaos", "3",
-         "--seed", str(SEED), "--steps", str(STEPS), "--timeout", "180", "--keep", "--json", str(report_path)],
+         "--seed", str(SEED), "--steps", str(STEPS), "--interval-steps", "50", "--memory-interval", "1", "--timeout", "180", "--keep", "--json", str(report_path)],
         cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=900, check=False)
     assert report_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -39,6 +41,9 @@ def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
         assert set(chaos_report["invariants"]) >= {"final_model_matches_reference", "snapshots_verify",
                                                    "no_stale_commit", "no_step_trained_twice"}
         assert chaos_report["ok"] and chaos_report["seed"] == SEED and done.returncode == 0
+        # Both tiers served: restores from the nodes' RAM and from storage.
+        sources = {e["source"] for e in read_events(work / "events.jsonl") if e["event"] == "restore_done"}
+        assert sources == {"memory", "storage"}, sources
         the_checks_see_damage(work, chaos_report["details"]["lineage"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -47,7 +52,9 @@ def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
 def the_checks_see_damage(work: Path, lineage: list[list[int]]) -> None:
     """A flipped byte, a commit marker of an older round, and a round that trains again the steps
     before its restored one: each fails its invariant."""
-    (_, first), (_, second) = committed_snapshots(work / "checkpoints")[:2]
+    # Snapshots off the lineage: a lying marker there does not change which rounds trained which steps.
+    on_lineage = {step for _, restored, committed in lineage for step in (restored, committed)}
+    first, second = [path for step, path in committed_snapshots(work / "checkpoints") if step not in on_lineage][:2]
     data = max((p for p in first.rglob("*") if p.is_file() and not p.name.startswith(".")), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
