@@ -178,6 +178,17 @@ def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_en
         tiers.append(late)
         assert late.start_round(dist.PrefixStore("torch.rendezvous.job.5", job_store), 5, 0, 1) == ""  # alone: no buddy
         assert (late.root / SECRET_FILE).read_bytes() == secrets[0]
+        # The kept secret goes (with etcd3, with its writer's lease) and a new agent draws another
+        # first: the others take it at their next round, and every agent still reaches every other.
+        job_store.delete_key("torchrevive/memory/secret")
+        newcomer = MemoryTier(tmp_path / "node3", host="127.0.0.1", secret_file=None)
+        tiers.append(newcomer)
+        round6 = dist.PrefixStore("torch.rendezvous.job.6", job_store)
+        assert newcomer.start_round(round6, 6, 0, 1) == ""
+        tiers[1].start_round(round6, 6, 1, 1)  # a standby node of round 6: it still takes the secret
+        assert (tiers[1].root / SECRET_FILE).read_bytes() == (newcomer.root / SECRET_FILE).read_bytes() != secrets[0]
+        with PeerFileClient(tiers[1]._server.address, read_secret(newcomer.root / SECRET_FILE), round=6) as client:
+            assert client.list("r4") == {"step_3/f": 10}
     finally:
         for tier in tiers:
             tier.close()

@@ -182,10 +182,12 @@ class PeerFileServer:
     def __init__(self, root: Path, secret: bytes, *, host: str, port: int = 0) -> None:
         if len(secret) < 16:
             raise PeerError("the memory tier's secret must be at least 16 bytes")
-        self.root, self._secret = Path(root), secret
+        self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.round: int | None = None
         """The round whose requests are answered; None answers nothing."""
+        self.secret = secret
+        """What clients must prove (new connections use the current value)."""
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -210,7 +212,7 @@ class PeerFileServer:
 
     def _serve(self, sock: socket.socket, endpoint: str) -> None:
         try:
-            channel = _Channel(sock, self._secret, server=True, endpoint=endpoint)
+            channel = _Channel(sock, self.secret, server=True, endpoint=endpoint)
             while True:
                 try:
                     request = channel.recv_header()

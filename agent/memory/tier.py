@@ -68,6 +68,8 @@ class MemoryTier:
         self._secret_file = secret_file
         self._server: PeerFileServer | None = None
         self._secret = b""
+        self._secret_source = b""
+        self._shared_hex = ""
 
     def close(self) -> None:
         """Stop serving and free the node's RAM: the memory directory's contents go."""
@@ -153,20 +155,29 @@ class MemoryTier:
             return sum(pool.map(lambda item: pull(*item), by_holder.items()))
 
     def _ensure_server(self, store: Any) -> None:
-        if self._server is not None:
-            return
+        """Serve with the job's secret: the configured file's, else the one kept in the job's
+        store (outside the rounds' prefixes). Each round every agent offers the secret it has (a
+        new one draws one) and takes what the store holds: the first offer wins, and should the
+        key go (with etcd3, with the lease of the agent that wrote it) the agents converge again."""
         if self._secret_file:
             secret = read_secret(self._secret_file)
-        else:  # the first agent to get here draws it; the store outside the round's prefix keeps it for all rounds
+        else:
             job_store = getattr(store, "underlying_store", store)
-            secret = bytes.fromhex(job_store.compare_set(f"{_PREFIX}/secret", "", secrets.token_hex(32)).decode())
+            offer = self._shared_hex or secrets.token_hex(32)
+            self._shared_hex = job_store.compare_set(f"{_PREFIX}/secret", "", offer).decode()
+            secret = bytes.fromhex(self._shared_hex)
+        if self._server is not None and self._secret_source == secret:
+            return
         # The workers read it from the node's memory directory (mode 600, in a 700 directory).
         path = self.root / SECRET_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secret.hex().encode())
-        self._secret = read_secret(path)
-        self._server = PeerFileServer(self.root, self._secret, host=self.host)
+        self._secret_source, self._secret = secret, read_secret(path)
+        if self._server is None:
+            self._server = PeerFileServer(self.root, self._secret, host=self.host)
+        else:
+            self._server.secret = self._secret
 
 
 def newest_complete(held: Mapping[int, Mapping[str, Any]]) -> MemoryChoice | None:
