@@ -85,6 +85,13 @@ class MemorySaver:
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], replicated: list[str],
                           group: dist.ProcessGroup | None, started: float) -> None:
+        try:
+            self._write_and_commit_or_raise(step, staged, replicated, group, started)
+        except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
+            self._failed(step, f"{type(exc).__name__}: {exc}")
+
+    def _write_and_commit_or_raise(self, step: int, staged: dict[str, Any], replicated: list[str],
+                                   group: dist.ProcessGroup | None, started: float) -> None:
         snapshot = MemorySnapshot(self.round, step)
         path = self.root / snapshot.relative
         record = write_snapshot(path, staged, replicated=replicated, group=group)
