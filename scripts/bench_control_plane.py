@@ -11,7 +11,8 @@ was measured, it is SIGKILLed. That is a node's death as its peers see it: its h
 its connections are reset by the kernel, and nothing is said to anyone.
 
 Per backend and N: ``form_s`` (from the start signal until every participant has joined the first
-round), ``detect_s`` (from the kill until the last survivor's membership watch reports the loss;
+round; with ``--start-spread-s S`` the participants start evenly over S seconds, as a job's nodes
+start over seconds, instead of all at once), ``detect_s`` (from the kill until the last survivor's membership watch reports the loss;
 ``detect_p50_s`` for the median), ``rerendezvous_s`` (from the kill until every survivor is in
 the next round, with the N-1 survivors), ``ops_per_s`` and ``bytes_per_s`` in steady state (after
 the first round, over ``--steady-s``): for etcd3, etcd's own counters from its /metrics endpoint
@@ -74,6 +75,8 @@ class Settings:
     keep_alive_max_attempt: int = 3
     last_call_timeout_s: int = 30
     join_timeout_s: int = 600
+    start_spread_s: float = 0.0
+    """Participant i starts its first rendezvous spread x i / N seconds after the start signal."""
 
     @property
     def heartbeat_timeout_s(self) -> int:
@@ -180,8 +183,9 @@ class Participant:
         self.watch.start_round()
         return info
 
-    def run(self, go: threading.Event) -> None:
+    def run(self, go: threading.Event, delay_s: float) -> None:
         go.wait()
+        time.sleep(delay_s)
         try:
             info = self.rendezvous()
             self._report("formed", self.index, time.time(), info.world_size)
@@ -209,7 +213,8 @@ def worker_main(settings: Settings, first: int, count: int, conn: Connection) ->
     participants = [Participant(first + i, settings, counter, report) for i in range(count)]
     go = threading.Event()
     for participant in participants:
-        threading.Thread(target=participant.run, args=(go,), daemon=True).start()
+        delay = settings.start_spread_s * participant.index / settings.nodes
+        threading.Thread(target=participant.run, args=(go, delay), daemon=True).start()
     report("ready", first, time.time(), count)
     while True:
         command = conn.recv()
@@ -452,6 +457,9 @@ def main() -> None:
     parser.add_argument("--steady-s", type=float, default=10.0, help="how long the steady state is measured")
     parser.add_argument("--phase-timeout-s", type=float, default=180.0,
                         help="a phase (forming, re-rendezvous) not done by then is recorded as an error")
+    parser.add_argument("--start-spread-s", type=float, default=0.0,
+                        help="start the participants evenly over this long, as a job's nodes start over seconds "
+                             "(0: all at once)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
@@ -468,7 +476,8 @@ def main() -> None:
             for nodes in sizes:
                 server = c10d_server() if backend == "c10d" else etcd_server(Path(work))
                 with server as (endpoint, server_pid, counters):
-                    settings = Settings(backend=backend, nodes=nodes, endpoint=endpoint)
+                    settings = Settings(backend=backend, nodes=nodes, endpoint=endpoint,
+                                        start_spread_s=args.start_spread_s)
                     result = run_case(settings, per_process=args.per_process, steady_s=args.steady_s,
                                       phase_timeout_s=args.phase_timeout_s, server_pid=server_pid, counters=counters)
                 result["settings"] = asdict(settings)
