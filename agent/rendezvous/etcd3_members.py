@@ -19,7 +19,11 @@ node's watch: the bytes grow with the square of the node count. Here, under
 To torch's handler the state looks as ever: the backend gives every listed node a heartbeat, the
 time of this node's last refresh for itself, now for a node whose key lives, and for a node whose
 key expired the estimate of its last refresh (one time to live before etcd deleted it), which
-torch's clean-up then drops as dead.
+torch's clean-up then drops as dead; a listed node whose key this node has not seen (the watch
+lags its creation, or it vanished before this node watched) is given the time it was first found
+missing, so it lapses one heartbeat timeout later unless its key shows up. After a lost
+compare-and-set the backend waits a random, growing time before torch retries: rounds are still
+written one node at a time, and every node changes the round at once after a loss.
 """
 
 from __future__ import annotations
