@@ -362,13 +362,15 @@ def c10d_server() -> Iterator[tuple[str, int, Callable[[Case], dict[str, float]]
     """The embedded c10d store, hosted here as node 0's agent hosts it."""
     from agent.recovery_agent import tcp_store_on
 
-    store = tcp_store_on(HOST)
+    server = tcp_store_on(HOST)
+    held = [server]  # the store serves while held; released (and its port closed) after the case
 
     def counters(case: Case) -> dict[str, float]:
-        return {"ops_per_s": case.count_calls(), "bytes_per_s": _ss_bytes_received(store.port)}
+        return {"ops_per_s": case.count_calls(), "bytes_per_s": _ss_bytes_received(held[0].port)}
 
-    yield f"{HOST}:{store.port}", os.getpid(), counters
-    del store
+    yield f"{HOST}:{server.port}", os.getpid(), counters
+    del server
+    held.clear()
 
 
 @contextmanager
