@@ -49,6 +49,7 @@ KNOWN_RDZV_CONF_KEYS: dict[str, frozenset[str]] = {
 }
 KNOWN_RDZV_CONF_KEYS["etcd3"] = KNOWN_RDZV_CONF_KEYS["etcd-v3"] = _DYNAMIC_RDZV_KEYS | {
     "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password", "password_file", "key_prefix", "lease_ttl",
+    "heartbeats",
 }
 SECRET_RDZV_CONF_KEYS = frozenset({"password"})
 """rendezvous.conf keys whose values never leave the agent: redacted in --print-config and in the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -98,6 +99,8 @@ class MembershipWatch:
         backend = getattr(handler._state_holder, "_backend", None)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
             backend.watch_state(self._wake.set)
+        self._lapsed: Callable[[], dict[str, float]] | None = getattr(backend, "lapsed", None)
+        """etcd3's heartbeat keys: the nodes whose key expired, and when each last refreshed it."""
         threading.Thread(target=self._read_loop, name="torchrevive-membership", daemon=True).start()
 
     @property
@@ -119,6 +122,8 @@ class MembershipWatch:
                 last_heartbeats=heartbeats,
             )
         self._heartbeats.update(heartbeats)
+        if self._lapsed is not None:  # the state shows a live node's heartbeat as now, a lapsed one's gone
+            self._heartbeats.update(self._lapsed())
         return membership
 
     def pause(self) -> None:

@@ -1,6 +1,7 @@
-"""The private parts of torch.distributed.elastic that the recovery agent's health check and store
-binding reach into, in one place. Each was read in torch 2.13; another torch warns once, at import,
-because these names may have changed there (the tests then tell what broke).
+"""The private parts of torch.distributed.elastic that the recovery agent's health check, store
+binding and etcd3 heartbeat keys reach into, in one place. Each was read in torch 2.13; another
+torch warns once, at import, because these names may have changed there (the tests then tell what
+broke).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def health_check_server_kept(agent: LocalElasticAgent) -> Iterator[None]:
         yield
     finally:
         agent._health_check_server = server
+
+
+def this_node(handler: DynamicRendezvousHandler) -> str:
+    """The handler's node as torch names it in the rendezvous state (``addr_pid_localid``)."""
+    return repr(handler._this_node)
 
 
 def bind_shared_store(handler: DynamicRendezvousHandler, make_store: Callable[[str], Any]) -> None:

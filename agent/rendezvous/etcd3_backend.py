@@ -42,6 +42,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 # The module, not its names: torch loads this backend (an entry point) while it imports its own
 # rendezvous package, which etcd3_client imports, so etcd3_client may be half-imported here.
 from agent.rendezvous import etcd3_client
+from agent.rendezvous.etcd3_members import Etcd3MembersBackend
 
 if TYPE_CHECKING:
     from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
@@ -52,6 +53,7 @@ NAMES = ("etcd3", "etcd-v3")
 DEFAULT_PREFIX = "/torchrevive/rendezvous"
 DEFAULT_LEASE_TTL_S = 60
 DEFAULT_PORT = 2379
+HEARTBEAT_LAYOUTS = ("keys", "state")
 PASSWORD_ENV = "TORCHREVIVE_ETCD_PASSWORD"
 """The etcd password, when rendezvous.conf names a user but no password_file."""
 
@@ -293,14 +295,42 @@ def _no_password(params: RendezvousParameters) -> None:
 
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's DynamicRendezvousHandler over the etcd3 backend and store."""
+    layout = heartbeat_layout(params)
     connection = etcd3_client.Etcd3Connection(options_from(params))
     prefix = str(params.get("key_prefix", DEFAULT_PREFIX)).rstrip("/")
     lease = Etcd3Lease(connection, params.get_as_int("lease_ttl", DEFAULT_LEASE_TTL_S) or DEFAULT_LEASE_TTL_S)
-    backend = Etcd3RendezvousBackend(connection, params.run_id, prefix=prefix, lease=lease)
+    backend: Etcd3RendezvousBackend | Etcd3MembersBackend
+    if layout == "keys":
+        backend = Etcd3MembersBackend(connection, params.run_id, prefix=prefix, lease=lease,
+                                      heartbeat_timeout_s=heartbeat_timeout_s(params))
+    else:
+        backend = Etcd3RendezvousBackend(connection, params.run_id, prefix=prefix, lease=lease)
     store = Etcd3Store(connection, f"{prefix}/{params.run_id}/store", lease)
     handler = create_handler(store, backend, params)
+    if isinstance(backend, Etcd3MembersBackend):
+        from agent import torch_private  # here, not above: torch may still be importing its rendezvous package
+
+        backend.bind_node(torch_private.this_node(handler))
     _tolerate_outages(handler, connection)
     return handler
+
+
+def heartbeat_layout(params: RendezvousParameters) -> str:
+    """``heartbeats`` in rendezvous.conf: ``state`` (default: torch's layout, every heartbeat
+    inside the shared state, which every node rewrites each keep-alive) or ``keys`` (a leased key
+    per node, see etcd3_members: what a keep-alive costs etcd does not grow with the node count;
+    not yet the default: its lease must outlast an etcd restart, see the README)."""
+    layout = str(params.get("heartbeats", "state"))
+    if layout not in HEARTBEAT_LAYOUTS:
+        raise ValueError(f"rdzv-conf heartbeats={layout}: must be one of {', '.join(HEARTBEAT_LAYOUTS)}")
+    return layout
+
+
+def heartbeat_timeout_s(params: RendezvousParameters) -> int:
+    """keep_alive_interval x keep_alive_max_attempt, with torch's defaults (5 s x 3)."""
+    interval = params.get_as_int("keep_alive_interval", 5) or 5
+    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    return interval * attempts
 
 
 def _tolerate_outages(handler: DynamicRendezvousHandler, connection: Etcd3Connection) -> None:
