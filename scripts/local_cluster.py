@@ -260,6 +260,8 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             since = time.time()
             cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
                              args.timeout, "committed snapshot")
+            if cluster.memory_interval:  # and a memory snapshot newer than it: what the memory tier is for
+                cluster.wait_for(lambda ev, t=since: newer_in_memory(ev, t), args.timeout, "a newer memory snapshot")
             fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
             if scenario in NETWORK_SCENARIOS:
                 results.append(NETWORK_SCENARIOS[scenario](cluster, args, fault))
@@ -309,6 +311,12 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
     finally:
         cluster.stop()
     return results
+
+
+def newer_in_memory(events: list[dict], since: float) -> bool:
+    """Whether a memory snapshot newer than the newest storage snapshot was committed after ``since``."""
+    storage = max((e["step"] for e in events if e["event"] == "save_committed"), default=-1)
+    return any(e["event"] == "memory_save_committed" and e["time"] > since and e["step"] > storage for e in events)
 
 
 def _events_between(cluster: Cluster, start: float, end: float, names: set[str]) -> list[dict]:
