@@ -21,7 +21,7 @@ from conftest import REPO, free_port
 from agent.events import read_events
 from agent.memory.layout import SECRET_FILE, MemorySnapshot
 from agent.memory.peer_files import PeerFileClient, read_secret
-from agent.memory.tier import MemoryTier, newest_complete
+from agent.memory.tier import MemoryChoice, MemoryTier, newest_complete
 from agent.recovery_timeline import recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -56,6 +56,17 @@ def test_the_leader_picks_the_newest_snapshot_whose_every_file_survives():
     held[1]["r2/step_7"]["files"]["1/a"] = 9  # a truncated copy is no copy
     assert newest_complete(held).snapshot == MemorySnapshot(1, 9)
     assert newest_complete({0: {}, 1: {"r3/step_1": {"files": complete}}}) is None  # no marker: not committed
+    # An inventory naming a file outside its snapshot is data from a peer: never followed.
+    crafted = {**complete, "../../etc/cron.d/x": 1}
+    assert newest_complete({0: {"r5/step_1": {"files": crafted, "complete": crafted}}}) is None
+
+
+def test_a_crafted_file_name_in_a_choice_is_never_pulled(tmp_path):
+    tier = MemoryTier(tmp_path / "node", host="127.0.0.1", secret_file=None)
+    choice = MemoryChoice(MemorySnapshot(4, 3), {"../../planted": 1, "/abs": 1})
+    # No holder address is given: a name that got through would fail looking one up.
+    assert tier._pull(tmp_path / "node" / "r4" / "step_3", 4, choice, {}, ["../../planted", "/abs"]) == 0
+    assert not (tmp_path / "planted").exists()
 
 
 def committed_in_memory_after_storage(events: list[dict]) -> list[dict]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from agent.checkpoint.checksums import CHECKSUMS_FILE
@@ -138,7 +138,7 @@ class MemoryTier:
         """Pull the ``names`` not here yet, from each holder in parallel; the bytes pulled."""
         by_holder: dict[int, list[str]] = {}
         for name in names:
-            if name in choice.holders and not (local / name).is_file():
+            if name in choice.holders and safe_name(name) and not (local / name).is_file():
                 by_holder.setdefault(choice.holders[name], []).append(name)
 
         def pull(holder: int, wanted: list[str]) -> int:
@@ -189,6 +189,8 @@ def newest_complete(held: Mapping[int, Mapping[str, Any]]) -> MemoryChoice | Non
             if "complete" in entry:
                 candidates.setdefault(relative, entry["complete"])
     for relative in sorted(candidates, key=MemorySnapshot.parse, reverse=True):
+        if not all(safe_name(name) for name in candidates[relative]):
+            continue  # an inventory naming a file outside the snapshot: data from a peer, not to be followed
         holders: dict[str, int] = {}
         for name, size in candidates[relative].items():
             holder = next((g for g, entries in sorted(held.items())
@@ -199,3 +201,11 @@ def newest_complete(held: Mapping[int, Mapping[str, Any]]) -> MemoryChoice | Non
         else:
             return MemoryChoice(MemorySnapshot.parse(relative), holders)
     return None
+
+
+def safe_name(name: object) -> bool:
+    """Whether a file name from a peer's inventory is a relative path inside its snapshot."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
