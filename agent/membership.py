@@ -5,7 +5,8 @@ It reads the state torch.distributed.elastic's ``DynamicRendezvousHandler`` keep
 (c10d store, etcd3): the round, its participants, the wait list and each node's last heartbeat.
 Syncing that state also runs torch's own clean-up, which drops nodes whose heartbeats lapsed
 (``keep_alive_interval`` x ``keep_alive_max_attempt``); a participant of our round that is gone
-from the state is lost.
+from the state is lost. A participant whose agent's connection closed (:mod:`agent.liveness`) is
+lost at once, without waiting for its heartbeats to lapse.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Literal
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
+
+from agent.rendezvous.node_ledger import NodeLedger
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class Change:
     """Best estimate of when the failure happened: the lost nodes' last heartbeat."""
     workers_blocked: bool = False
     """The local workers were still running, blocked on the lost peer, when the loss was seen."""
+    by_connection: bool = False
+    """The loss was seen from the lost agent's closed connection, not from its heartbeats."""
 
 
 class MembershipWatch:
@@ -72,15 +76,17 @@ class MembershipWatch:
 
     Args:
         handler: the agent's rendezvous handler (a DynamicRendezvousHandler: c10d, etcd3).
+        ledger: the liveness of the nodes, fed by every sync of the handler's state.
         poll_interval: the least time between two reads of the state.
     """
 
-    def __init__(self, handler: DynamicRendezvousHandler, *, poll_interval: float) -> None:
+    def __init__(self, handler: DynamicRendezvousHandler, *, ledger: NodeLedger, poll_interval: float) -> None:
         self._handler = handler
+        self._ledger = ledger
         self._poll_interval = poll_interval
         self._round: Membership | None = None
         self._round_started = 0.0
-        self._heartbeats: dict[str, float] = {}
+        self._reported_dead: frozenset[str] = frozenset()
         self._wake = threading.Event()
         self._running = threading.Event()
         """Set while a round runs: the reader reads only then."""
@@ -93,8 +99,7 @@ class MembershipWatch:
         self._closed = False
         self.unreachable_since: float | None = None
         """When reads began to fail (monotonic), while they do."""
-        settings = handler.settings
-        self.heartbeat_timeout = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        self.heartbeat_timeout = ledger.heartbeat_timeout
         """Seconds without a heartbeat after which torch drops a node."""
         backend = getattr(handler._state_holder, "_backend", None)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
@@ -112,8 +117,11 @@ class MembershipWatch:
         handler = self._handler
         with handler._heartbeat_lock:  # the keep-alive thread syncs the same state holder
             handler._state_holder.sync()
+            if self._ledger.take_unwritten():  # drop the declared-dead nodes for every node
+                handler._state_holder.mark_dirty()
+                handler._state_holder.sync()
             state = handler._state_holder.state
-            heartbeats = {str(n): _epoch(t) for n, t in state.last_heartbeats.items()}
+            heartbeats = {str(n): t.timestamp() for n, t in state.last_heartbeats.items()}
             membership = Membership(
                 round=state.round,
                 complete=state.complete,
@@ -121,10 +129,15 @@ class MembershipWatch:
                 waiting=frozenset(str(n) for n in state.wait_list),
                 last_heartbeats=heartbeats,
             )
-        self._heartbeats.update(heartbeats)
         if self._lapsed is not None:  # the state shows a live node's heartbeat as now, a lapsed one's gone
-            self._heartbeats.update(self._lapsed())
+            self._ledger.lapsed(self._lapsed())
         return membership
+
+    def declare_dead(self, node: str, at: float) -> None:
+        """``node``'s agent is gone (its connection closed at ``at``): report it as lost at the next
+        check, and drop it from the rendezvous state at the next read."""
+        self._ledger.declare_dead(node, at)
+        self._wake.set()
 
     def pause(self) -> None:
         """Stop reading (call before each rendezvous); returns once no read is in flight."""
@@ -136,22 +149,32 @@ class MembershipWatch:
         """Remember the round just completed and resume reading (call after each rendezvous)."""
         self.pause()
         self._round_started = time.monotonic()
+        self._reported_dead = frozenset()
         self._round = self.read()
         self._running.set()
         return self._round
 
     def close(self) -> None:
-        """End the background reader."""
+        """End the background reader; returns once no read is in flight (a thread left inside a
+        store call when the process exits aborts it)."""
         self._closed = True
+        self.pause()
         self._running.set()
         self._wake.set()
 
     def check(self, *, workers_healthy: bool, now: bool = False) -> Change | None:
         """The change since ``start_round`` that the latest read shows, if any (each read is
-        compared once). With ``now`` (workers just failed: was it because of a membership change?)
-        it waits up to FRESH_READ_WAIT_S for a read that starts after the call."""
+        compared once), or a participant declared dead since (told once). With ``now`` (workers
+        just failed: was it because of a membership change?) it waits up to FRESH_READ_WAIT_S for
+        a read that starts after the call."""
         if self._round is None:
             return None
+        declared = {node: at for node, at in self._ledger.declared().items()
+                    if node in self._round.participants and node not in self._reported_dead}
+        if declared:
+            self._reported_dead |= declared.keys()
+            return Change("node_lost", lost=frozenset(declared), failed_at=min(declared.values()),
+                          workers_blocked=workers_healthy, by_connection=True)
         asked = time.monotonic()
         if now:
             self._wake.set()
@@ -170,7 +193,7 @@ class MembershipWatch:
         if current.round != self._round.round or self.node not in current.participants:
             return Change("node_hung", lost=frozenset({self.node}))
         gone = self._round.participants - current.participants
-        lost = frozenset(node for node in gone if not self._heard_from_lately(node))
+        lost = frozenset(node for node in gone if self._ledger.is_dead(node))
         if lost:
             return Change("node_lost", lost=lost, failed_at=self.last_heartbeat(lost), workers_blocked=workers_healthy)
         # A participant that left with a current heartbeat left by itself: its agent is restarting
@@ -212,17 +235,7 @@ class MembershipWatch:
             self.unreachable_since = None
         return membership
 
-    def _heard_from_lately(self, node: str) -> bool:
-        """Whether ``node``'s last heartbeat seen is younger than the heartbeat timeout: torch
-        drops a node only after its heartbeats lapsed that long."""
-        seen = self._heartbeats.get(node)
-        return seen is not None and time.time() - seen < self.heartbeat_timeout
-
     def last_heartbeat(self, nodes: frozenset[str]) -> float | None:
         """The latest heartbeat seen from any of ``nodes`` (when they stopped), if any was seen."""
-        seen = [self._heartbeats[n] for n in nodes if n in self._heartbeats]
+        seen = [t for t in map(self._ledger.last_heartbeat, nodes) if t is not None]
         return max(seen) if seen else None
-
-
-def _epoch(moment: datetime) -> float:
-    return moment.timestamp()

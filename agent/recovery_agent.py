@@ -1,7 +1,9 @@
 """The per-node recovery agent: torch.distributed.elastic's LocalElasticAgent, extended to
 
 * watch the rendezvous for lost, hung and joining nodes and its own eviction, and stop its
-  workers at once on any change instead of waiting for a collective to time out;
+  workers at once on any change instead of waiting for a collective to time out; a peer whose
+  agent process died is seen lost from its closed connection (:mod:`agent.liveness`), without
+  waiting for its heartbeats to lapse;
 * re-form as soon as every live node joined the next round, not at torch's last call;
 * count only real worker failures against ``max_restarts`` (a failure caused by a lost peer is a
   membership change, as torchrun already treats a joining node);
@@ -42,8 +44,10 @@ from agent import health, torch_private, worker
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
+from agent.liveness import PeerLiveness
 from agent.membership import Change, MembershipWatch
 from agent.memory.tier import MemoryChoice, MemoryTier
+from agent.recovery_states import ConfirmLoss, Fail, Finish, Recover, RecoveryMachine
 from agent.rendezvous.prompt import PromptOpExecutor
 from agent.checkpoint.dirs import committed_snapshots, write_fence
 
@@ -79,11 +83,14 @@ class RecoveryAgent(LocalElasticAgent):
         self._nodes_used = 0
         self._executor: PromptOpExecutor | None = None
         self._watch: MembershipWatch | None = None
+        self._liveness: PeerLiveness | None = None
         if isinstance(handler, DynamicRendezvousHandler):
             keep_alive = handler.settings.keep_alive_interval.total_seconds()
             self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10)
-            self._watch = MembershipWatch(handler, poll_interval=keep_alive / 4)
+            self._watch = MembershipWatch(handler, ledger=self._executor.ledger, poll_interval=keep_alive / 4)
+            self._liveness = PeerLiveness(node_host(job), on_dead=self._watch.declare_dead)
             torch_private.bind_shared_store(handler, tcp_store_on)
+        self._machine = RecoveryMachine(self._remaining_restarts, watches_membership=self._watch is not None)
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -92,8 +99,6 @@ class RecoveryAgent(LocalElasticAgent):
         server = health.from_environment(torch_private.alive_time(self), host=job.observability.metrics_addr)
         if server is not None:
             torch_private.set_health_check_server(self, server)
-        self._previous_participants: frozenset[str] = frozenset()
-        self._restart_counted = False
         self._prefetch_stop = threading.Event()
         self._memory = memory_tier(job)
         self._memory_buddy = ""
@@ -120,17 +125,37 @@ class RecoveryAgent(LocalElasticAgent):
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
-        """torch's run; the node's memory snapshots are dropped when the agent ends (the job
-        succeeded or failed for good: storage holds what outlives it)."""
+        """torch's run; when the agent ends, it stops watching the membership, says goodbye to the
+        agents watching it (it left, it did not die), and the node's memory snapshots are dropped (the job succeeded or failed
+        for good: storage holds what outlives it)."""
         try:
             return super().run(role)
         finally:
+            if self._watch is not None:
+                self._watch.close()
+            if self._liveness is not None:
+                self._liveness.close()
             if self._memory is not None:
                 self._memory.close()
 
     # -- the monitor loop ----------------------------------------------------------------------
 
+    @property
+    def _remaining_restarts(self) -> int:
+        return self._machine.remaining_restarts
+
+    @_remaining_restarts.setter
+    def _remaining_restarts(self, value: int) -> None:
+        # torch's agent sets it in its __init__ (before this agent knows whether it watches the
+        # membership: the machine is made again then) and zeroes it for a worker wedged in the kernel.
+        machine = self.__dict__.get("_machine")
+        if machine is None:
+            self._machine = RecoveryMachine(value, watches_membership=False)
+        else:
+            machine.remaining_restarts = value
+
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Monitor the workers and the membership; carry out what the recovery machine decides."""
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
         while True:
@@ -138,25 +163,21 @@ class RecoveryAgent(LocalElasticAgent):
             result = self._monitor_workers(self._worker_group)
             state = self._worker_group.state = result.state
             self._metrics.set_remaining_restarts(self._remaining_restarts)
-            if state == WorkerState.SUCCEEDED:
-                if not self._standby:  # tell standby nodes the job is over: they join the exit barrier
+            change = None if state == WorkerState.SUCCEEDED else self._membership_change(state == WorkerState.HEALTHY)
+            action = self._machine.observe(state, change, now=time.time())
+            if isinstance(action, ConfirmLoss):
+                action = self._machine.loss_confirmed(self._loss_behind_failure(), now=time.time())
+            if isinstance(action, Finish):
+                if action.announce:  # tell standby nodes the job is over: they join the exit barrier
                     self._worker_group.store.set(JOB_SUCCEEDED_KEY, "1")
                 self._exit_barrier()
                 return result
-            healthy = state == WorkerState.HEALTHY
-            change = self._membership_change(healthy)
-            if not healthy and change is None:
-                change = self._loss_behind_failure()
-            if not healthy and change is None:  # a worker failure of its own: it counts
-                if self._remaining_restarts <= 0:
-                    self._stop_workers(self._worker_group)
-                    self._worker_group.state = WorkerState.FAILED
-                    return result
-                self._remaining_restarts -= 1
-                self._restart_counted = True
-                change = Change("worker_failed", failed_at=time.time())
-            if change is not None:
-                self._recover(change)
+            if isinstance(action, Fail):
+                self._stop_workers(self._worker_group)
+                self._worker_group.state = WorkerState.FAILED
+                return result
+            if isinstance(action, Recover):
+                self._recover(action.change)
 
     def _membership_change(self, workers_healthy: bool) -> Change | None:
         if self._watch is not None:
@@ -165,11 +186,10 @@ class RecoveryAgent(LocalElasticAgent):
         return Change("node_joined") if workers_healthy and waiting > 0 else None
 
     def _loss_behind_failure(self) -> Change | None:
-        """Workers failed: when a peer node died, they failed because of it. Its heartbeats lapse
-        within ``keep_alive_interval`` x ``keep_alive_max_attempt``; watch that long for it only
-        when no restart is left (otherwise the next rendezvous tells, and refunds the restart)."""
-        if self._watch is None or self._remaining_restarts > 0:
-            return None
+        """Workers failed with no restart left: when a peer node died, they failed because of it.
+        Its heartbeats lapse within ``keep_alive_interval`` x ``keep_alive_max_attempt``: watch that
+        long for it. (With a restart left, the next rendezvous tells, and the restart is refunded.)"""
+        assert self._watch is not None, "the recovery machine confirms a loss only when it watches the membership"
         deadline = time.monotonic() + self._watch.heartbeat_timeout + 1
         while time.monotonic() < deadline:
             change = self._watch.check(workers_healthy=False)
@@ -183,13 +203,15 @@ class RecoveryAgent(LocalElasticAgent):
         detected = time.time()
         self.events.record("membership_change", cause=change.cause, lost=sorted(change.lost),
                            joined=sorted(change.joined), failed_at=change.failed_at or detected,
-                           workers_blocked=change.workers_blocked, world_size=self._prev_world_size)
+                           workers_blocked=change.workers_blocked, by_connection=change.by_connection,
+                           world_size=self._prev_world_size)
         self._metrics.count_recovery(change.cause)
         self._prefetch_stop.set()
         started = time.monotonic()
         self._stop_workers(self._worker_group)
         self._worker_group.state = WorkerState.STOPPED
         self.events.record("workers_stopped", seconds=time.monotonic() - started)
+        self._machine.workers_stopped()
         self._initialize_workers(self._worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -223,22 +245,20 @@ class RecoveryAgent(LocalElasticAgent):
             self._grad_accum_steps = grad_accum_steps(self._job, world_size)
         membership = self._watch.start_round() if self._watch else None
         self._round = membership.round if membership else None
+        if self._liveness is not None and membership is not None:
+            self._liveness.start_round(store, self._watch.node, sorted(membership.participants))
         if self._memory is not None and self._round is not None:
             self._memory_buddy = self._memory.start_round(store, self._round, worker_group.group_rank, self._nodes_used)
         self._restore_from = self._agree_on_snapshot(worker_group)
         participants = membership.participants if membership else frozenset()
-        lost, joined = self._previous_participants - participants, participants - self._previous_participants
-        if self._previous_participants and (lost or joined) and self._restart_counted:
-            # The workers failed because the membership changed (a peer node was lost, or a
-            # peer's workers stopped for a joining node before this agent saw the join).
-            self._remaining_restarts += 1
-        self._restart_counted = False
-        self._previous_participants = participants
+        # A restart counted for the last failure is refunded when the membership changed: the
+        # workers failed because a peer node was lost, or a peer's stopped for a joining node.
+        outcome = self._machine.round_formed(participants, standby=self._standby)
         self._metrics.set_world_size(world_size)
         self.events.record(
             "rendezvous_done", seconds=time.monotonic() - started, round=membership.round if membership else None,
-            group_rank=worker_group.group_rank, nodes=sorted(participants), lost=sorted(lost),
-            joined=sorted(joined) if self._prev_world_size else [], world_size=world_size,
+            group_rank=worker_group.group_rank, nodes=sorted(participants), lost=sorted(outcome.lost),
+            joined=sorted(outcome.joined) if self._prev_world_size else [], world_size=world_size,
             prev_world_size=self._prev_world_size, grad_accum_steps=self._grad_accum_steps,
             restore_from=self._restore_from or None, standby=self._standby,
         )
@@ -366,8 +386,12 @@ def memory_tier(job: JobConfig) -> MemoryTier | None:
     if not job.checkpoint.memory_interval_steps or job.rendezvous.backend == "static":
         return None
     root = job.checkpoint.memory_dir or f"/dev/shm/torchrevive-{job.job.id}"
-    return MemoryTier(Path(root), host=job.launch.local_addr or socket.gethostname(),
-                      secret_file=job.checkpoint.memory_secret_file)
+    return MemoryTier(Path(root), host=node_host(job), secret_file=job.checkpoint.memory_secret_file)
+
+
+def node_host(job: JobConfig) -> str:
+    """The address this node's agent serves its peers on: ``launch.local_addr``, else the hostname."""
+    return job.launch.local_addr or socket.gethostname()
 
 
 def tcp_store_on(host: str, port: int = 0) -> dist.TCPStore:

@@ -50,7 +50,9 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
         return {
             "recovery_s": step["time"] - failed,
             "cause": first_change["cause"],
-            "world_size_before": first_change.get("world_size"),
+            # A standby node's change has none: it ran no workers.
+            "world_size_before": next((e["world_size"] for e in sorted(changes, key=lambda e: e["time"])
+                                       if e.get("world_size")), None),
             "world_size_after": last_round["world_size"],
             "restored_step": next((e.get("step") for e in restores), None),
             "restore_source": next((e.get("source") for e in restores), None),

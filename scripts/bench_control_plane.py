@@ -165,7 +165,7 @@ class Participant:
         keep_alive = float(settings.keep_alive_interval_s)
         # As RecoveryAgent.__init__ installs them.
         self.executor = PromptOpExecutor.install(self.handler, poll_interval=keep_alive / 10)
-        self.watch = MembershipWatch(self.handler, poll_interval=keep_alive / 4)
+        self.watch = MembershipWatch(self.handler, ledger=self.executor.ledger, poll_interval=keep_alive / 4)
         torch_private.bind_shared_store(self.handler, tcp_store_on)
         self._report = report
 

@@ -204,7 +204,8 @@ def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
 
 def test_every_port_of_a_job_listens_on_the_configured_address_only(tmp_path, rdzv_endpoint):
     # README's Security list: the agent's c10d store, torch's shared store, the workers' store,
-    # metrics and health check; each worker's gloo listener. All on 127.0.0.1 here, none on *.
+    # metrics and health check, the liveness listener; each worker's gloo listener. All on 127.0.0.1 here,
+    # none on *.
     metrics, health = free_port(), free_port()
     proc = start_torchrevive(["run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                               "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "ports",
@@ -218,7 +219,7 @@ def test_every_port_of_a_job_listens_on_the_configured_address_only(tmp_path, rd
         code, output = stop_steady_job(proc, tmp_path, pids)
     assert code == 0, output
     agent = sorted(port for _, port, pid in sockets if pid == proc.pid)
-    assert {int(rdzv_endpoint.rsplit(":", 1)[1]), metrics, health} <= set(agent) and len(agent) == 5, sockets
+    assert {int(rdzv_endpoint.rsplit(":", 1)[1]), metrics, health} <= set(agent) and len(agent) == 6, sockets
     assert sorted(pid for _, _, pid in sockets if pid != proc.pid) == sorted(pids), sockets  # one gloo port each
     assert {address for address, _, _ in sockets} == {"127.0.0.1"}, sockets
 

@@ -1,7 +1,9 @@
 """PromptOpExecutor and MembershipWatch on torch's real dynamic rendezvous (c10d store, several
 handlers in threads): a re-rendezvous completes once every live node joined, without waiting out a
-long last call, but still waits for a live node that joins late; a job's first round still waits
-out the last call; the watch tells a peer that left to rejoin from a lost one."""
+long last call, but still waits for a live node that joins late, also one caught between leaving
+the old round and joining the new; a job's first round still waits out the last call; the watch
+tells a peer that left to rejoin from a lost one; a node declared dead (its agent's connection
+closed) is lost at once and dropped from the round for every node."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    _RendezvousExitOp,
     create_handler,
 )
 
@@ -41,10 +44,11 @@ def store():
 def make_node(store):
     handlers: list[DynamicRendezvousHandler] = []
 
-    def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
+    def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S,
+             keep_alive_max_attempt: int = 2) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
         params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="prompt", min_nodes=1,
                                       max_nodes=max_nodes, join_timeout=JOIN_TIMEOUT_S, last_call_timeout=last_call_s,
-                                      keep_alive_interval=1, keep_alive_max_attempt=2)
+                                      keep_alive_interval=1, keep_alive_max_attempt=keep_alive_max_attempt)
         # A store client per node, as each agent has: one client's blocking read holds its socket.
         client = TCPStore("127.0.0.1", store.port, is_master=False)
         handler = create_handler(client, C10dRendezvousBackend(client, "prompt"), params)
@@ -56,15 +60,25 @@ def make_node(store):
         handler._stop_heartbeats()
 
 
+def stored_state(store: TCPStore):
+    stored = C10dRendezvousBackend(store, "prompt").get_state()
+    return None if stored is None else pickle.loads(stored[0])
+
+
 def waiting(store: TCPStore, handler: DynamicRendezvousHandler) -> bool:
     """Whether the stored rendezvous state has ``handler``'s node waiting: in the wait list, or a
     participant of a round still forming."""
-    stored = C10dRendezvousBackend(store, "prompt").get_state()
-    if stored is None:
+    state = stored_state(store)
+    if state is None:
         return False
-    state = pickle.loads(stored[0])
     node = handler._this_node
     return node in state.wait_list or (node in state.participants and not state.complete)
+
+
+def leave(handler: DynamicRendezvousHandler) -> None:
+    """The first half of ``next_rendezvous``: the node leaves its round (its heartbeat goes with it),
+    and has not joined the next yet."""
+    handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + JOIN_TIMEOUT_S)
 
 
 def rendezvous(handlers, *, store: TCPStore | None = None, late=None, late_by: float = 0.0) -> list[int]:
@@ -106,6 +120,62 @@ def test_a_live_node_that_joins_late_is_waited_for(store, make_node):
     assert rendezvous(handlers, store=store, late=handlers[2], late_by=1.5) == [3, 3, 3]
 
 
+def test_a_survivor_between_leaving_and_joining_is_waited_for(store, make_node):
+    nodes = [make_node(keep_alive_max_attempt=3) for _ in range(3)]
+    handlers = [h for h, _ in nodes]
+    assert rendezvous(handlers) == [3, 3, 3]
+    for _, executor in nodes:
+        executor.rejoining = True
+    third = handlers[2]._this_node
+    handlers[2]._stop_heartbeats()  # the third node dies; once it is dropped, the others re-form
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while third in stored_state(store).last_heartbeats:
+        assert time.monotonic() < deadline, "the dead node was never dropped"
+        handlers[0]._state_holder.sync()  # a sync runs torch's clean-up and writes it back
+        handlers[0]._state_holder.mark_dirty()
+        handlers[0]._state_holder.sync()
+        time.sleep(0.1)
+    leave(handlers[1])  # the second has left the round, and its heartbeat is gone from the state
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(handlers[0].next_rendezvous)
+        while not waiting(store, handlers[0]) or stored_state(store).complete:
+            assert time.monotonic() < deadline, "the first node never waited in a new round"
+            time.sleep(0.02)
+        # The first node alone is in the new round and every heartbeat in the state is its own; it
+        # waits for the second (heard from a moment ago), not for the dead third.
+        time.sleep(10 * nodes[0][1].poll_interval)
+        assert not first.done()
+        assert handlers[1].next_rendezvous().world_size == 2
+        assert first.result(timeout=JOIN_TIMEOUT_S).world_size == 2
+
+
+def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, make_node):
+    # Heartbeats lapse after 60 s here: nothing below may wait for that.
+    nodes = [make_node(keep_alive_max_attempt=60) for _ in range(3)]
+    handlers = [h for h, _ in nodes]
+    assert rendezvous(handlers) == [3, 3, 3]
+    for _, executor in nodes:
+        executor.rejoining = True
+    watch = MembershipWatch(handlers[0], ledger=nodes[0][1].ledger, poll_interval=0.05)
+    watch.start_round()
+    dead = str(handlers[2]._this_node)
+    handlers[2]._stop_heartbeats()
+    watch.declare_dead(dead, at=123.0)  # as agent.liveness does when its connection closes
+    change = watch.check(workers_healthy=True)
+    assert change is not None and change.cause == "node_lost" and change.by_connection
+    assert change.lost == {dead} and change.failed_at == 123.0 and change.workers_blocked
+    assert watch.check(workers_healthy=True) is None  # told once
+    deadline = time.monotonic() + 10
+    while dead in {str(n) for n in stored_state(store).participants}:  # the watch wrote it out
+        assert time.monotonic() < deadline, "the declared node stayed in the stored round"
+        time.sleep(0.05)
+    watch.pause()
+    started = time.monotonic()
+    assert rendezvous(handlers[:2]) == [2, 2]
+    assert time.monotonic() - started < 20  # far from the 60 s heartbeat timeout
+    watch.close()
+
+
 def test_the_first_round_still_waits_out_the_last_call(store, make_node):
     first, second = make_node(max_nodes=4, last_call_s=3)[0], make_node(max_nodes=4, last_call_s=3)[0]
     # The second node starts once the first waits alone in the first round: both are in it.
@@ -129,7 +199,7 @@ def test_the_watch_tells_a_peer_restarting_from_a_lost_one(make_node):
     assert rendezvous([first, second, third]) == [3, 3, 3]
     for _, executor in nodes:
         executor.rejoining = True
-    watch = MembershipWatch(first, poll_interval=0.05)
+    watch = MembershipWatch(first, ledger=nodes[0][1].ledger, poll_interval=0.05)
     watch.start_round()
     with ThreadPoolExecutor(1) as pool:
         rejoined = pool.submit(second.next_rendezvous)  # its agent restarts: it leaves, to rejoin

@@ -10,9 +10,12 @@ marked complete) although every one of them is already there.
 
 * once this node has been in a completed round, a round completes as soon as every live node
   (each node with a current heartbeat in the state: survivors and joining nodes alike) is a
-  participant. A node that is alive but has not joined yet is waited for, up to torch's last call;
-  a lost one is gone from the state once its heartbeats lapse. The first round of a job still waits
-  out the last call, so that nodes starting a few seconds apart begin in one round;
+  participant, and so is every node of the previous round that is not known dead. A node that is
+  alive but has not joined yet is waited for, up to torch's last call: also one of the previous
+  round caught between leaving it and joining the next, when the state holds no heartbeat of it.
+  A lost one is gone from the state once its heartbeats lapse, or at once when its agent's
+  connection closed (:class:`~agent.rendezvous.node_ledger.NodeLedger`). The first round of a job
+  still waits out the last call, so that nodes starting a few seconds apart begin in one round;
 * while waiting it re-reads the state every ``poll_interval`` instead of every second.
 """
 
@@ -34,6 +37,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
+from agent.rendezvous.node_ledger import NodeLedger
+
 _STATE_CHANGES = {
     _Action.KEEP_ALIVE: "_keep_alive",
     _Action.ADD_TO_PARTICIPANTS: "_add_to_participants",
@@ -54,20 +59,25 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
 
     Args:
         handler: the handler whose operations it runs; :meth:`install` puts it in place.
+        ledger: the liveness of the nodes, fed by every sync of the handler's state.
         poll_interval: seconds between two reads of the shared state while waiting.
     """
 
-    def __init__(self, handler: DynamicRendezvousHandler, *, poll_interval: float) -> None:
+    def __init__(self, handler: DynamicRendezvousHandler, ledger: NodeLedger, *, poll_interval: float) -> None:
         super().__init__(handler._this_node, handler._state_holder, handler._settings)
         self.poll_interval = poll_interval
+        self.ledger = ledger
         self.rejoining = False
         """Set once this node has been in a completed round: from then on rounds complete early."""
+        self._previous_round: frozenset[str] = frozenset()
+        """The participants of the last round this node completed a join in."""
 
     @classmethod
     def install(cls, handler: DynamicRendezvousHandler, *, poll_interval: float) -> PromptOpExecutor:
-        """Run ``handler``'s operations through a new PromptOpExecutor, and let its state holder
-        serve a cached state for at most ``poll_interval`` (torch's default is 1 s)."""
-        executor = cls(handler, poll_interval=poll_interval)
+        """Run ``handler``'s operations through a new PromptOpExecutor (with a new
+        :class:`NodeLedger` fed by the handler's syncs), and let its state holder serve a cached
+        state for at most ``poll_interval`` (torch's default is 1 s)."""
+        executor = cls(handler, NodeLedger.install(handler), poll_interval=poll_interval)
         handler._op_executor = executor
         handler._state_holder._cache_duration = poll_interval
         return executor
@@ -88,6 +98,8 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
             if isinstance(state_handler, _RendezvousJoinOp) and self._may_complete_now(ctx, action):
                 action = _Action.MARK_RENDEZVOUS_COMPLETE
             if action == _Action.FINISH:
+                if isinstance(state_handler, _RendezvousJoinOp) and self._node in self._state.participants:
+                    self._previous_round = frozenset(str(node) for node in self._state.participants)
                 continue
             if action == _Action.ERROR_CLOSED:
                 raise RendezvousClosedError
@@ -113,4 +125,7 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
         if not ctx.settings.min_nodes <= len(participants) <= ctx.settings.max_nodes:
             return False
         live = set(state.last_heartbeats) - state.redundancy_list
-        return live <= participants.keys()
+        if not live <= participants.keys():
+            return False
+        joined = {str(node) for node in participants}
+        return all(self.ledger.is_dead(node) for node in self._previous_round - joined)
