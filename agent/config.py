@@ -113,6 +113,11 @@ class LaunchSection:
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     shutdown_timeout: int | None = None
     virtual_local_rank: bool = False
+    warm_workers: bool = True
+    """Fork each round's workers from a warm process that has imported torch (not a torchrun flag)."""
+    preload: list[str] = field(default_factory=lambda: ["torch._dynamo"])
+    """Modules the warm process imports after torch and torchrevive's worker API: the training
+    script's heavy imports (torch._dynamo: DDP's constructor and torch.compile import it)."""
 
 
 @dataclass(kw_only=True)

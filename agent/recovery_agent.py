@@ -9,6 +9,8 @@
   membership change, as torchrun already treats a joining node);
 * give each round's workers a fresh store, the snapshot the round's leader chose, the gradient
   accumulation steps for the new world size, and the TORCHREVIVE_* contract;
+* fork each round's workers from a warm process that has already imported torch
+  (:mod:`agent.warm_workers`), spawning them as torch does when it cannot;
 * warm the page cache with the node's share of that snapshot while the workers start;
 * with the memory tier on, serve the node's memory snapshots to its peers and restore from the
   newest one the live nodes hold together (:mod:`agent.memory`);
@@ -50,6 +52,7 @@ from agent.memory.tier import MemoryChoice, MemoryTier
 from agent.recovery_states import ConfirmLoss, Fail, Finish, Recover, RecoveryMachine
 from agent.rendezvous.prompt import PromptOpExecutor
 from agent.checkpoint.dirs import committed_snapshots, write_fence
+from agent.warm_workers import WarmProcess, WarmSubprocessHandler, become_subreaper, reap_orphans
 
 WORKER_STORE_KEY = "torchrevive/worker_store"
 RESTORE_FROM_KEY = "torchrevive/restore_from"
@@ -103,6 +106,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory = memory_tier(job)
         self._memory_buddy = ""
         self._restore_source = "storage"
+        self._warm = self._start_warm_process() if job.launch.warm_workers else None
         # Prefetch reads manifests through torchsnapshot (with DTensor and DCP: seconds of CPU on a
         # busy node). Loaded beside the first rendezvous: not before it, which would delay a
         # joining node, nor when the first workers start, which would slow them down.
@@ -137,6 +141,8 @@ class RecoveryAgent(LocalElasticAgent):
                 self._liveness.close()
             if self._memory is not None:
                 self._memory.close()
+            if self._warm is not None:
+                self._warm.close()
 
     # -- the monitor loop ----------------------------------------------------------------------
 
@@ -318,15 +324,53 @@ class RecoveryAgent(LocalElasticAgent):
             return {}
         # Worker processes inherit the agent's environment, and LocalElasticAgent offers no other
         # hook for extra variables, so the round's values are set here, before they start.
-        os.environ.update(self.worker_environment())
+        round_environment = self.worker_environment()
+        os.environ.update(round_environment)
         started = time.monotonic()
-        pids = super()._start_workers(worker_group)
+        handlers: list[WarmSubprocessHandler] = []
+
+        def warm_handler(**kwargs: Any) -> WarmSubprocessHandler:
+            assert self._warm is not None, "warm handlers are made only with a warm process"
+            handlers.append(WarmSubprocessHandler(self._warm, round_environment.keys(), **kwargs))
+            return handlers[-1]
+
+        if self._warm is None:
+            pids = super()._start_workers(worker_group)
+        else:
+            reap_orphans(keep={self._warm.pid})
+            with torch_private.subprocess_handlers(warm_handler):
+                pids = super()._start_workers(worker_group)
+        spawn_reason = self._spawn_reason(handlers, worker_group)
         self.events.record("workers_started", seconds=time.monotonic() - started,
-                           ranks=[w.global_rank for w in worker_group.workers])
+                           ranks=[w.global_rank for w in worker_group.workers],
+                           start="spawn" if spawn_reason else "warm", spawn_reason=spawn_reason or None)
+        if spawn_reason and self._warm is not None and not self._warm.refused:
+            self._warm.close()  # gone, or made for another environment: a new one for the next round
+            self._warm = self._start_warm_process()
         self._prev_world_size = worker_group.workers[0].world_size
         if self._restore_from and self._job.restore.prefetch and self._restore_source == "storage":
             self._start_prefetch(worker_group)
         return pids
+
+    def _start_warm_process(self) -> WarmProcess | None:
+        """Become the workers' subreaper and start a warm process; None (with an event) where the
+        platform offers no subreaper."""
+        try:
+            become_subreaper()
+        except OSError as exc:
+            self.events.record("warm_process_unavailable", error=str(exc))
+            return None
+        warm = WarmProcess(self._job.launch.preload, os.environ)
+        self.events.record("warm_process_started", pid=warm.pid, preload=warm.preload)
+        return warm
+
+    def _spawn_reason(self, handlers: list[WarmSubprocessHandler], worker_group: WorkerGroup) -> str:
+        """Why this round's workers were spawned rather than forked warm ("" when all were warm)."""
+        if self._warm is None:
+            return "warm workers are off" if not self._job.launch.warm_workers else "no subreaper on this platform"
+        if not isinstance(worker_group.spec.entrypoint, str):
+            return "the entrypoint is a Python function (--run-path), started by torch's multiprocessing"
+        return next((h.spawn_reason for h in handlers if h.spawn_reason), "")
 
     def _start_prefetch(self, worker_group: WorkerGroup) -> None:
         self._prefetch_stop = stop = threading.Event()

@@ -1,5 +1,5 @@
 """The private parts of torch.distributed.elastic that the recovery agent's health check, store
-binding and etcd3 heartbeat keys reach into, in one place. Each was read in torch 2.13; another
+binding, warm workers and etcd3 heartbeat keys reach into, in one place. Each was read in torch 2.13; another
 torch warns once, at import, because these names may have changed there (the tests then tell what
 broke).
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
@@ -50,6 +51,18 @@ def health_check_server_kept(agent: LocalElasticAgent) -> Iterator[None]:
         yield
     finally:
         agent._health_check_server = server
+
+
+@contextlib.contextmanager
+def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
+    """Within: torch's SubprocessContext makes each worker's SubprocessHandler with ``factory``
+    (called with the keyword arguments of torch's ``get_subprocess_handler``) instead of its own."""
+    original = multiprocessing_api.get_subprocess_handler
+    multiprocessing_api.get_subprocess_handler = factory
+    try:
+        yield
+    finally:
+        multiprocessing_api.get_subprocess_handler = original
 
 
 def this_node(handler: DynamicRendezvousHandler) -> str:

@@ -2,7 +2,8 @@
 # The Dockerfile's install steps without a docker engine: build the wheel (stage `wheel`), install
 # TORCH_SPEC and then the wheel with the etcd extra into a fresh venv (the final stage), and check
 # from outside the checkout that the installed package works: the console script, both
-# entry-point groups (torchsnapshot's storage plugin, torchrun's etcd3 handler), no test extras,
+# entry-point groups (torchsnapshot's storage plugin, torchrun's etcd3 handler), every module of
+# the checkout in the wheel, no test extras,
 # and a one-node job of examples/train.py that saves through the `torchrevive://` plugin.
 # TORCH_SPEC defaults to torch==2.13.0 (pip's configured wheels here: the CPU build).
 set -euo pipefail
@@ -21,7 +22,7 @@ python=${PYTHON:-python3}
 "$work/venv/bin/pip" install -q "$(ls "$work"/wheels/torchrevive-*.whl)[etcd]"
 
 cd "$work"  # the checkout must not be importable: only the installed copy counts
-"$work/venv/bin/python" - <<'PY'
+REPO="$repo" "$work/venv/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util
 
@@ -36,6 +37,13 @@ assert spec.origin and "site-packages" in spec.origin, f"agent imported from {sp
 direct_url = md.distribution("torchrevive").read_text("direct_url.json") or ""
 assert '"editable": true' not in direct_url, f"torchrevive is installed editable: {direct_url}"
 print("installed from", spec.origin)
+import os, pathlib
+installed = pathlib.Path(spec.origin).parents[1]
+for package in ("agent", "launcher"):  # every module of the checkout is in the wheel
+    source = pathlib.Path(os.environ["REPO"]) / package
+    missing = [str(f.relative_to(source.parent)) for f in source.rglob("*.py")
+               if not (installed / f.relative_to(source.parent)).exists()]
+    assert not missing, f"modules missing from the wheel: {missing}"
 PY
 "$work/venv/bin/torchrevive" --help >/dev/null
 "$work/venv/bin/torchrevive" run --help >/dev/null

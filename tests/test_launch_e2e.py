@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +26,8 @@ from conftest import (
     workers_ready,
 )
 from torch.distributed import run as torchrun
+
+from agent.events import read_events
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 180
@@ -93,6 +96,42 @@ def test_exhausted_restarts_exit_nonzero_with_torchruns_summary(rdzv_endpoint):
     assert "examples/train.py FAILED" in output
     assert "Root Cause (first observed failure)" in output
     assert "injected failure at step 1" in output
+
+
+def worker_files(log_dir: Path) -> dict[str, str]:
+    """torchrun's per-attempt, per-rank files under ``log_dir`` (its run id's folder left out), and
+    their text with PIDs, times and addresses masked."""
+    files = {}
+    for path in sorted(log_dir.rglob("*")):
+        if path.is_file():
+            text = re.sub(r"\b\d{4,}\b|\d+\.\d+", "N", path.read_text())
+            files[str(path.relative_to(log_dir)).split("/", 1)[1]] = text
+    return files
+
+
+def test_worker_logs_redirects_tee_exit_codes_and_error_files_as_torchrun(tmp_path):
+    # Two workers, rank 0 fails at step 2, one restart; every rank's output redirected to files in
+    # --log-dir, rank 0's tee'd to the agent's output: the same files, contents, error files and
+    # output whether workers are forked warm or spawned as torchrun spawns them.
+    seen = {}
+    for warm in (True, False):
+        out = tmp_path / str(warm)
+        args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+                "--log-dir", str(out / "logs"), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+                "--set", f"launch.warm_workers={str(warm).lower()}", "--set", f"observability.event_log={out / 'events'}",
+                "examples/train.py", "--steps", "3", "--crash-at-step", "2", "--samples", "256", "--width", "64"]
+        [(code, output)] = run_nodes(1, args)
+        assert code == 0, output
+        started = [e for e in read_events(out / "events") if e["event"] == "workers_started"]
+        assert [e["start"] for e in started] == ["warm" if warm else "spawn"] * 2, started
+        seen[warm] = worker_files(out / "logs"), sorted(line for line in output.splitlines() if line.startswith("[default"))
+    (warm_files, warm_tee), (spawned_files, spawned_tee) = seen[True], seen[False]
+    assert warm_files == spawned_files
+    assert "injected failure at step 2" in warm_files["attempt_0/0/stderr.log"]
+    assert "RuntimeError: injected failure at step 2" in warm_files["attempt_0/0/error.json"]
+    assert "world_size=2 restart=1" in warm_files["attempt_1/0/stdout.log"] and "step=3" in warm_files["attempt_1/0/stdout.log"]
+    assert warm_tee == spawned_tee and any(line.startswith("[default0]:step=3") for line in warm_tee)
+    assert not any(line.startswith("[default1]") for line in warm_tee)  # --local-ranks-filter 0
 
 
 def test_example_config_trains_at_world_size_two_and_resumes(rdzv_endpoint, tmp_path):

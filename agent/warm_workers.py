@@ -1,0 +1,244 @@
+"""Workers forked from a warm process (:mod:`agent.warm_process`) instead of started cold.
+
+The agent keeps one warm process: an interpreter that has imported torch and ``launch.preload``.
+torch's ``SubprocessHandler`` still does everything it does for a spawned worker (the environment
+it merges, the log files it opens for redirects and tee); only its ``Popen`` is replaced: the warm
+process forks the worker with that command line, environment, directory and those files. The
+agent is a child subreaper, so the worker is re-parented to it and is its child, as a spawned
+one: torch polls, waits for and signals it (``killpg``) as before, and reads its exit code.
+
+A worker spawns as before, with the reason in the ``workers_started`` event, when the warm one
+could not be the same process: another interpreter or flags (``--no-python``, numactl binding), an
+environment variable that differs from the warm process's (other than the round's own), or a warm
+process that failed, is gone, or is not ready in time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import psutil
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from agent.warm_process import MAX_MESSAGE
+
+logger = logging.getLogger(__name__)
+
+ALWAYS_PRELOADED = ("torch", "torch.distributed", "agent.checkpoint.checkpointer", "agent.restore.engine",
+                    "agent.elastic_sampler")
+"""What every warm process imports before ``launch.preload``: torch and torchrevive's worker API
+(the Checkpointer and restore engine bring torchsnapshot and DCP)."""
+READY_WAIT_S = 60.0
+"""How long workers wait for a warm process still importing before they spawn instead."""
+REPLY_WAIT_S = 10.0
+"""How long the agent waits for the warm process to fork one worker."""
+INTERPRETER_FLAGS = ("-u",)
+"""What torchrun puts between the interpreter and the script; the warm process runs with them."""
+_PR_SET_CHILD_SUBREAPER = 36
+_START = "from agent.warm_process import main; import sys; main(int(sys.argv[1]), sys.argv[2:])"
+
+
+class WarmProcess:
+    """The agent's warm process: started at once, it imports in the background.
+
+    Args:
+        preload: modules to import after :data:`ALWAYS_PRELOADED`, before any worker is forked.
+        env: its environment (the agent's); a worker whose environment differs from it in more
+            than the round's own variables is spawned.
+    """
+
+    def __init__(self, preload: Sequence[str], env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.preload = [*ALWAYS_PRELOADED, *(name for name in preload if name not in ALWAYS_PRELOADED)]
+        self.problem = ""
+        """Why the warm process cannot be used, once it is known; "" while it can."""
+        self.refused = ""
+        """The warm process's own refusal (its imports failed, or left it unsafe to fork): a new
+        one would refuse too."""
+        self._ready = False
+        self._ready_in: float | None = None
+        self._channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, *INTERPRETER_FLAGS, "-c", _START, str(theirs.fileno()), *self.preload],
+                env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def import_seconds(self) -> float | None:
+        """How long its imports took, once it is ready."""
+        return self._ready_in
+
+    def unusable_for(self, argv: Sequence[str], env: Mapping[str, str], round_keys: Collection[str]) -> str:
+        """Why a worker with this command line and environment cannot be forked from this warm
+        process ("" when it can); ``round_keys`` may differ from the warm process's environment."""
+        if len(argv) < len(INTERPRETER_FLAGS) + 2 or argv[0] != sys.executable:
+            return f"the worker's command {argv[0]!r} is not this Python ({sys.executable})"
+        if tuple(argv[1:1 + len(INTERPRETER_FLAGS)]) != INTERPRETER_FLAGS:
+            return f"the worker's interpreter flags {list(argv[1:3])} are not {list(INTERPRETER_FLAGS)}"
+        target = argv[1 + len(INTERPRETER_FLAGS)]
+        if target.startswith("-") and target != "-m":
+            return f"the worker's interpreter option {target!r} is not one a warm process can take"
+        changed = sorted(key for key in self.env.keys() | env.keys()
+                         if key not in round_keys and self.env.get(key) != env.get(key))
+        if changed:
+            return f"environment variables differ from the warm process's: {', '.join(changed[:5])}"
+        return self._wait_ready()
+
+    def fork(self, argv: Sequence[str], env: Mapping[str, str], streams: Sequence[int]) -> AdoptedProcess:
+        """Fork a worker that runs ``argv`` (as :meth:`unusable_for` accepted it) with ``env`` and
+        the standard streams ``streams`` (descriptors for 0, 1, 2), in this directory. Raises
+        OSError when the warm process cannot (its problem is set then)."""
+        after_flags = list(argv[1 + len(INTERPRETER_FLAGS):])
+        module = after_flags[0] == "-m"
+        target, *args = after_flags[1:] if module else after_flags
+        request = {"argv": list(argv), "target": target, "module": module, "args": args, "env": dict(env), "cwd": os.getcwd()}
+        try:
+            socket.send_fds(self._channel, [json.dumps(request).encode()], list(streams))
+            reply = self._receive(REPLY_WAIT_S)
+        except OSError as exc:
+            self.problem = f"the warm process is gone ({exc})"
+            raise
+        if "pid" not in reply:
+            self._refusal(reply)
+            raise OSError(self.problem)
+        return AdoptedProcess(int(reply["pid"]))
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def close(self) -> None:
+        """End the warm process (workers forked from it go on: they are not its children)."""
+        self._channel.close()
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+
+    def _wait_ready(self) -> str:
+        if self._ready or self.problem:
+            return self.problem
+        alive = self.alive()
+        try:
+            reply = self._receive(READY_WAIT_S if alive else 0.0)
+        except OSError as exc:
+            self.problem = (f"the warm process did not get ready ({exc})" if alive else
+                            f"the warm process exited with {self._process.returncode} before it was ready")
+            return self.problem
+        if reply.get("ready"):
+            self._ready, self._ready_in = True, float(reply["seconds"])
+        else:
+            self._refusal(reply)
+        return self.problem
+
+    def _refusal(self, reply: dict[str, Any]) -> None:
+        self.problem = reply.get("error", f"unexpected reply {reply}")
+        if reply.get("lasting"):
+            self.refused = self.problem
+
+    def _receive(self, timeout: float) -> dict[str, Any]:
+        readable, _, _ = select.select([self._channel], [], [], timeout)
+        if not readable:
+            raise TimeoutError(f"no answer from the warm process within {timeout:.0f} s")
+        message = self._channel.recv(MAX_MESSAGE)
+        if not message:
+            raise ConnectionError("the warm process closed its socket")
+        return json.loads(message)
+
+
+class AdoptedProcess:
+    """A worker the agent did not start itself but is the parent of (re-parented to it as a
+    subreaper): the part of ``subprocess.Popen`` that torch's SubprocessContext uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is unknown, report a failure
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None, "poll() returned a code"
+        return self.returncode
+
+
+class WarmSubprocessHandler(SubprocessHandler):
+    """torch's SubprocessHandler whose process is forked from ``warm`` when it can be (see the
+    module), else spawned as torch's own; ``spawn_reason`` tells why ("" when forked).
+
+    Args:
+        warm: the agent's warm process.
+        round_keys: environment variables the agent sets for each round (the worker contract),
+            which may differ from the warm process's environment.
+        **kwargs: as for torch's ``get_subprocess_handler``.
+    """
+
+    def __init__(self, warm: WarmProcess, round_keys: Collection[str], **kwargs: Any) -> None:
+        self._warm = warm
+        self._round_keys = frozenset(round_keys) | kwargs["env"].keys()
+        self.spawn_reason = ""
+        super().__init__(**kwargs)
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        self.spawn_reason = self._warm.unusable_for(args, env, self._round_keys)
+        if not self.spawn_reason:
+            streams = [0, self._stdout.fileno() if self._stdout else 1, self._stderr.fileno() if self._stderr else 2]
+            try:
+                return self._warm.fork(args, env, streams)
+            except OSError as exc:
+                self.spawn_reason = str(exc)
+        return super()._popen(args, env)
+
+
+def become_subreaper() -> None:
+    """Make orphaned descendants of this process its children (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so that a worker forked by the warm process is re-parented here. OSError where unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
+
+
+def reap_orphans(keep: Collection[int]) -> int:
+    """Reap exited children of this process other than ``keep``: a subreaper also inherits its
+    workers' orphaned children (e.g. data-loader processes of a killed worker). Call it only when
+    no other exited child of the agent awaits its own wait (between rounds). Returns how many."""
+    reaped = 0
+    for child in psutil.Process().children():
+        try:
+            zombie = child.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            continue
+        if zombie and child.pid not in keep:
+            try:
+                os.waitpid(child.pid, os.WNOHANG)
+                reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped
