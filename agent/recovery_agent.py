@@ -394,7 +394,8 @@ class RecoveryAgent(LocalElasticAgent):
 
 
     def _wrap_next_rendezvous(self, handler: Any) -> None:
-        """Right after each rendezvous, before torch assigns worker ranks:
+        """Before each rendezvous, wait for the warm process to be ready (a node joins once it can
+        start workers at once); right after it, before torch assigns worker ranks:
 
         * from the first completed round on, this node completes rounds early (PromptOpExecutor);
         * rank 0 publishes MASTER_ADDR/MASTER_PORT in the round's store. torch 2.13's
@@ -409,6 +410,10 @@ class RecoveryAgent(LocalElasticAgent):
         def next_rendezvous_then_roles() -> RendezvousInfo:
             if self._watch is not None:
                 self._watch.pause()  # the rendezvous uses the handler's state alone
+            if self._warm is not None:
+                # A joining node asks to join once it can start workers at once: the running
+                # job trains on meanwhile instead of waiting for its imports after the round.
+                self._warm.wait_ready()
             info = next_rendezvous()
             if self._executor is not None:
                 self._executor.rejoining = True

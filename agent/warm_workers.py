@@ -97,7 +97,7 @@ class WarmProcess:
                          if key not in round_keys and self.env.get(key) != env.get(key))
         if changed:
             return f"environment variables differ from the warm process's: {', '.join(changed[:5])}"
-        return self._wait_ready()
+        return self.wait_ready()
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str], streams: Sequence[int]) -> AdoptedProcess:
         """Fork a worker that runs ``argv`` (as :meth:`unusable_for` accepted it) with ``env`` and
@@ -128,7 +128,9 @@ class WarmProcess:
             self._process.kill()
         self._process.wait()
 
-    def _wait_ready(self) -> str:
+    def wait_ready(self) -> str:
+        """Wait (up to :data:`READY_WAIT_S`) until the warm process has imported; why it cannot be
+        used, or "" once it is ready."""
         if self._ready or self.problem:
             return self.problem
         alive = self.alive()
