@@ -14,7 +14,7 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM python:3.11-slim
 # torch==2.13.0 from PyPI is the CUDA build on Linux x86_64 (it brings the nvidia-* CUDA
 # libraries); pass the CPU build's index as above for a CPU image. Installed first and pinned, so
-# the package's `torch>=2.4` requirement is already met and cannot pull another build.
+# the package's `torch>=2.13,<2.14` requirement is already met and cannot pull another build.
 ARG TORCH_SPEC="torch==2.13.0"
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \

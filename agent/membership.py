@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
 
+from agent import torch_private
 from agent.rendezvous.node_ledger import NodeLedger
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class MembershipWatch:
         """When reads began to fail (monotonic), while they do."""
         self.heartbeat_timeout = ledger.heartbeat_timeout
         """Seconds without a heartbeat after which torch drops a node."""
-        backend = getattr(handler._state_holder, "_backend", None)
+        backend = torch_private.state_backend(handler)
         if hasattr(backend, "watch_state"):  # etcd3: be told of every change instead of polling
             backend.watch_state(self._wake.set)
         self._lapsed: Callable[[], dict[str, float]] | None = getattr(backend, "lapsed", None)
@@ -110,17 +111,15 @@ class MembershipWatch:
 
     @property
     def node(self) -> str:
-        return str(self._handler._this_node)
+        return torch_private.this_node(self._handler)
 
     def read(self) -> Membership:
         """Sync with the backend and return the current state (blocks while the backend retries)."""
-        handler = self._handler
-        with handler._heartbeat_lock:  # the keep-alive thread syncs the same state holder
-            handler._state_holder.sync()
+        with torch_private.synced_state(self._handler) as holder:
             if self._ledger.take_unwritten():  # drop the declared-dead nodes for every node
-                handler._state_holder.mark_dirty()
-                handler._state_holder.sync()
-            state = handler._state_holder.state
+                holder.mark_dirty()
+                holder.sync()
+            state = holder.state
             heartbeats = {str(n): t.timestamp() for n, t in state.last_heartbeats.items()}
             membership = Membership(
                 round=state.round,

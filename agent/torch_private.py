@@ -1,7 +1,13 @@
-"""The private parts of torch.distributed.elastic that the recovery agent's health check, store
-binding, warm workers and etcd3 heartbeat keys reach into, in one place. Each was read in torch 2.13; another
-torch warns once, at import, because these names may have changed there (the tests then tell what
-broke).
+"""Every private part of torch.distributed.elastic that torchrevive reaches into, in one place: the
+dynamic rendezvous's state, state holder and operation executor (the prompt re-rendezvous, the
+membership watch, the node ledger, etcd3's round state and outage tolerance), the agent's health
+check and store binding, and the worker processes' handler factory (warm workers). Nothing else
+in the package names a private torch attribute or class.
+
+Each was read in torch 2.13, the only torch the package declares and tests (``torch>=2.13,<2.14``);
+another torch warns once, at import, because these names may have changed there (the tests then
+tell what broke). The imports here stay those torch's rendezvous package can satisfy while it is
+still importing (it loads the etcd3 backend, an entry point, from there).
 """
 
 from __future__ import annotations
@@ -10,13 +16,30 @@ import contextlib
 import socket
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action as RendezvousAction
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _DistributedRendezvousOpExecutor as DistributedRendezvousOpExecutor,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc as NodeDesc
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousContext as RendezvousContext
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousJoinOp as RendezvousJoinOp
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState as RendezvousState
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config as parse_rendezvous_config
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+__all__ = ["DistributedRendezvousOpExecutor", "NodeDesc", "RendezvousAction", "RendezvousContext",
+           "RendezvousJoinOp", "RendezvousState", "parse_rendezvous_config"]
 
 READ_IN = (2, 13)
 """The torch (major, minor) whose private code this module was written against."""
@@ -57,6 +80,8 @@ def health_check_server_kept(agent: LocalElasticAgent) -> Iterator[None]:
 def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
     """Within: torch's SubprocessContext makes each worker's SubprocessHandler with ``factory``
     (called with the keyword arguments of torch's ``get_subprocess_handler``) instead of its own."""
+    from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
+
     original = multiprocessing_api.get_subprocess_handler
     multiprocessing_api.get_subprocess_handler = factory
     try:
@@ -68,6 +93,61 @@ def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
 def this_node(handler: DynamicRendezvousHandler) -> str:
     """The handler's node as torch names it in the rendezvous state (``addr_pid_localid``)."""
     return repr(handler._this_node)
+
+
+def executor_parts(handler: DynamicRendezvousHandler) -> tuple[NodeDesc, Any, RendezvousSettings]:
+    """What torch's operation executor is made of: the handler's node, state holder and settings."""
+    return handler._this_node, handler._state_holder, handler._settings
+
+
+def set_op_executor(handler: DynamicRendezvousHandler, executor: DistributedRendezvousOpExecutor, *,
+                    cache_s: float) -> None:
+    """Run ``handler``'s operations through ``executor``; its state holder serves a cached state
+    for at most ``cache_s`` seconds (torch's: 1 s)."""
+    handler._op_executor = executor
+    handler._state_holder._cache_duration = cache_s
+
+
+@contextlib.contextmanager
+def synced_state(handler: DynamicRendezvousHandler) -> Iterator[Any]:
+    """Within: ``handler``'s state holder, synced with the backend, held against the handler's
+    keep-alive thread (which syncs the same holder)."""
+    with handler._heartbeat_lock:
+        holder = handler._state_holder
+        holder.sync()
+        yield holder
+
+
+def state_backend(handler: DynamicRendezvousHandler) -> Any:
+    """The RendezvousBackend ``handler`` keeps its state in (c10d's, etcd3's)."""
+    return handler._state_holder._backend
+
+
+def wrap_state_cleanup(handler: DynamicRendezvousHandler, wrap: Callable[[Any, Callable[[], None]], Callable[[], None]]) -> None:
+    """Replace the clean-up torch's state holder runs after every sync (it drops nodes whose
+    heartbeats lapsed) by ``wrap(holder, cleanup)``, which calls ``cleanup`` when it will."""
+    holder = handler._state_holder
+    holder._sanitize = wrap(holder, holder._sanitize)
+
+
+def unsanitized_state(holder: Any) -> RendezvousState:
+    """The state a holder just read, before its clean-up (inside a :func:`wrap_state_cleanup`)."""
+    return holder._state
+
+
+def nodes_dropped_by_cleanup(holder: Any) -> list[NodeDesc]:
+    """The nodes the holder's last clean-up dropped (empty before any)."""
+    return list(getattr(holder, "_dead_nodes", []))
+
+
+def forget_dropped_nodes(holder: Any) -> None:
+    """Clear the holder's record of dropped nodes (a wrapper may skip the clean-up that resets it)."""
+    holder._dead_nodes = []
+
+
+def registered_rendezvous_backends() -> set[str]:
+    """The names torch's rendezvous handler registry knows."""
+    return set(rendezvous_handler_registry._registry)
 
 
 def bind_shared_store(handler: DynamicRendezvousHandler, make_store: Callable[[str], Any]) -> None:

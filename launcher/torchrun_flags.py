@@ -21,8 +21,8 @@ from typing import Any
 
 from torch.distributed import run as torchrun
 from torch.distributed.argparse_util import check_env, env
-from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
+from agent import torch_private
 from agent.config import (
     ConfigError,
     JobConfig,
@@ -163,7 +163,7 @@ def torchrun_namespace(config: JobConfig, script: str, script_args: Sequence[str
 def _apply_flag(config: JobConfig, dest: str, key: str, value: Any, source: str) -> None:
     if dest == "rdzv_conf":
         try:
-            parsed = _parse_rendezvous_config(value)
+            parsed = torch_private.parse_rendezvous_config(value)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
         if "password" in parsed and source.startswith("--"):

@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 # The module, not its names: torch loads this backend (an entry point) while it imports its own
 # rendezvous package, which etcd3_client imports, so etcd3_client may be half-imported here.
+from agent import torch_private
 from agent.rendezvous import etcd3_client
 from agent.rendezvous.etcd3_members import Etcd3MembersBackend
 
@@ -308,7 +309,6 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = Etcd3Store(connection, f"{prefix}/{params.run_id}/store", lease)
     handler = create_handler(store, backend, params)
     if isinstance(backend, Etcd3MembersBackend):
-        from agent import torch_private  # here, not above: torch may still be importing its rendezvous package
 
         backend.bind_node(torch_private.this_node(handler))
     _tolerate_outages(handler, connection)
@@ -342,16 +342,17 @@ def _tolerate_outages(handler: DynamicRendezvousHandler, connection: Etcd3Connec
     job would restart. After an outage this waits one heartbeat timeout, plus a keep-alive period
     and the client's largest retry delay, before torch's clean-up runs again.
     """
-    holder = handler._state_holder
     settings = handler.settings
     grace = (settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)).total_seconds() + etcd3_client.MAX_RETRY_DELAY_S
-    sanitize = holder._sanitize
 
-    def sanitize_after_grace() -> None:
-        if time.monotonic() - connection.reachable_since >= grace:
-            sanitize()
+    def after_grace(holder: Any, cleanup: Callable[[], None]) -> Callable[[], None]:
+        def cleanup_after_grace() -> None:
+            if time.monotonic() - connection.reachable_since >= grace:
+                cleanup()
 
-    holder._sanitize = sanitize_after_grace
+        return cleanup_after_grace
+
+    torch_private.wrap_state_cleanup(handler, after_grace)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
@@ -362,7 +363,7 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
 def register() -> None:
     """Register the backend under its names (a no-op where the entry point already did)."""
     for name in NAMES:
-        if name not in rendezvous_handler_registry._registry:
+        if name not in torch_private.registered_rendezvous_backends():
             rendezvous_handler_registry.register(name, create_etcd3_handler)
 
 

@@ -39,9 +39,10 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from agent.rendezvous import etcd3_client, round_state
+from agent.torch_private import RendezvousState
 
 if TYPE_CHECKING:
     from agent.rendezvous.etcd3_backend import Etcd3Lease
@@ -260,7 +261,7 @@ class Etcd3MembersBackend(RendezvousBackend):
         """When this node's heartbeat lease was last granted or refreshed."""
         self._lock = threading.Lock()
         """One operation at a time (torch's keep-alive timer and the membership watch share the backend)."""
-        self._decoded: tuple[int, _RendezvousState | None] = (-1, None)
+        self._decoded: tuple[int, RendezvousState | None] = (-1, None)
         self._losses = 0
         """Compare-and-sets lost in a row."""
         self._encoded: tuple[bytes, Any, float] = (b"", None, 0.0)
@@ -325,7 +326,7 @@ class Etcd3MembersBackend(RendezvousBackend):
         if self._losses:
             time.sleep(random.uniform(0, min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._losses - 1))))
 
-    def _write(self, wanted: _RendezvousState | None, token: Token | None, *, create: bool,
+    def _write(self, wanted: RendezvousState | None, token: Token | None, *, create: bool,
                deletes: list[str]) -> tuple[bool, bytes | None, int]:
         """One transaction, if the round's revision is still ``token``: the round (when given), this
         node's heartbeat key, the deletion of keys the round let go. Returns whether it was done,
@@ -360,7 +361,7 @@ class Etcd3MembersBackend(RendezvousBackend):
         found = responses[-1]
         return (succeeded, found[0][0], found[0][1].mod_revision) if found else (succeeded, None, 0)
 
-    def _round_of(self, view: MembersView) -> _RendezvousState | None:
+    def _round_of(self, view: MembersView) -> RendezvousState | None:
         """The view's round, decoded once per revision (callers hold the lock and do not change it)."""
         if view.round is None:
             return None

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+from agent import torch_private
 
 _LONG_AGO = datetime.fromtimestamp(0, timezone.utc)
 """The heartbeat a declared-dead node gets in the state: torch's clean-up drops it at once."""
@@ -48,21 +52,22 @@ class NodeLedger:
         also drops the declared-dead nodes from the state."""
         settings = handler.settings
         ledger = cls((settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds())
-        holder = handler._state_holder
-        sanitize = holder._sanitize
 
-        def sanitize_and_record() -> None:
-            state = holder._state
-            ledger.saw({str(node): moment.timestamp() for node, moment in state.last_heartbeats.items()})
-            for node in state.last_heartbeats:
-                if ledger.declared_dead(str(node)):
-                    state.last_heartbeats[node] = _LONG_AGO
-                    ledger._unwritten = True
-            holder._dead_nodes = []  # torch's clean-up sets it; a wrapper may skip the clean-up
-            sanitize()
-            ledger._record_dropped([str(node) for node in holder._dead_nodes])
+        def record_around(holder: Any, cleanup: Callable[[], None]) -> Callable[[], None]:
+            def cleanup_and_record() -> None:
+                state = torch_private.unsanitized_state(holder)
+                ledger.saw({str(node): moment.timestamp() for node, moment in state.last_heartbeats.items()})
+                for node in state.last_heartbeats:
+                    if ledger.declared_dead(str(node)):
+                        state.last_heartbeats[node] = _LONG_AGO
+                        ledger._unwritten = True
+                torch_private.forget_dropped_nodes(holder)
+                cleanup()
+                ledger._record_dropped([str(node) for node in torch_private.nodes_dropped_by_cleanup(holder)])
 
-        holder._sanitize = sanitize_and_record
+            return cleanup_and_record
+
+        torch_private.wrap_state_cleanup(handler, record_around)
         return ledger
 
     def saw(self, heartbeats: dict[str, float]) -> None:

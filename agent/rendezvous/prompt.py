@@ -29,31 +29,32 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    _Action,
-    _DistributedRendezvousOpExecutor,
-    _RendezvousContext,
-    _RendezvousJoinOp,
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+from agent import torch_private
+from agent.rendezvous.node_ledger import NodeLedger
+from agent.torch_private import (
+    DistributedRendezvousOpExecutor,
+    RendezvousAction,
+    RendezvousContext,
+    RendezvousJoinOp,
 )
 
-from agent.rendezvous.node_ledger import NodeLedger
-
 _STATE_CHANGES = {
-    _Action.KEEP_ALIVE: "_keep_alive",
-    _Action.ADD_TO_PARTICIPANTS: "_add_to_participants",
-    _Action.ADD_TO_WAIT_LIST: "_add_to_wait_list",
-    _Action.ADD_TO_REDUNDANCY_LIST: "_add_to_redundancy_list",
-    _Action.REMOVE_FROM_PARTICIPANTS: "_remove_from_participants",
-    _Action.REMOVE_FROM_WAIT_LIST: "_remove_from_wait_list",
-    _Action.REMOVE_FROM_REDUNDANCY_LIST: "_remove_from_redundancy_list",
-    _Action.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
-    _Action.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
+    RendezvousAction.KEEP_ALIVE: "_keep_alive",
+    RendezvousAction.ADD_TO_PARTICIPANTS: "_add_to_participants",
+    RendezvousAction.ADD_TO_WAIT_LIST: "_add_to_wait_list",
+    RendezvousAction.ADD_TO_REDUNDANCY_LIST: "_add_to_redundancy_list",
+    RendezvousAction.REMOVE_FROM_PARTICIPANTS: "_remove_from_participants",
+    RendezvousAction.REMOVE_FROM_WAIT_LIST: "_remove_from_wait_list",
+    RendezvousAction.REMOVE_FROM_REDUNDANCY_LIST: "_remove_from_redundancy_list",
+    RendezvousAction.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
+    RendezvousAction.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
 }
 """torch's executor's own state changes, by the action that asks for each."""
 
 
-class PromptOpExecutor(_DistributedRendezvousOpExecutor):
+class PromptOpExecutor(DistributedRendezvousOpExecutor):
     """torch's distributed rendezvous executor, completing re-rendezvous rounds as soon as every
     live node joined and polling every ``poll_interval`` while it waits.
 
@@ -64,7 +65,7 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
     """
 
     def __init__(self, handler: DynamicRendezvousHandler, ledger: NodeLedger, *, poll_interval: float) -> None:
-        super().__init__(handler._this_node, handler._state_holder, handler._settings)
+        super().__init__(*torch_private.executor_parts(handler))
         self.poll_interval = poll_interval
         self.ledger = ledger
         self.rejoining = False
@@ -78,45 +79,44 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
         :class:`NodeLedger` fed by the handler's syncs), and let its state holder serve a cached
         state for at most ``poll_interval`` (torch's default is 1 s)."""
         executor = cls(handler, NodeLedger.install(handler), poll_interval=poll_interval)
-        handler._op_executor = executor
-        handler._state_holder._cache_duration = poll_interval
+        torch_private.set_op_executor(handler, executor, cache_s=poll_interval)
         return executor
 
     def run(
         self,
-        state_handler: Callable[[_RendezvousContext, float], _Action],
+        state_handler: Callable[[RendezvousContext, float], RendezvousAction],
         deadline: float,
         update_deadline: Callable[[timedelta], float] | None = None,
     ) -> None:
         """Run ``state_handler`` (a torch rendezvous operation) until it finishes."""
         action = None
-        while action != _Action.FINISH:
+        while action != RendezvousAction.FINISH:
             self._state_holder.sync()
             self._state = self._state_holder.state
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            ctx = RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
-            if isinstance(state_handler, _RendezvousJoinOp) and self._may_complete_now(ctx, action):
-                action = _Action.MARK_RENDEZVOUS_COMPLETE
-            if action == _Action.FINISH:
-                if isinstance(state_handler, _RendezvousJoinOp) and self._node in self._state.participants:
+            if isinstance(state_handler, RendezvousJoinOp) and self._may_complete_now(ctx, action):
+                action = RendezvousAction.MARK_RENDEZVOUS_COMPLETE
+            if action == RendezvousAction.FINISH:
+                if isinstance(state_handler, RendezvousJoinOp) and self._node in self._state.participants:
                     self._previous_round = frozenset(str(node) for node in self._state.participants)
                 continue
-            if action == _Action.ERROR_CLOSED:
+            if action == RendezvousAction.ERROR_CLOSED:
                 raise RendezvousClosedError
-            if action == _Action.ERROR_TIMEOUT:
+            if action == RendezvousAction.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
-            if action == _Action.SYNC:
+            if action == RendezvousAction.SYNC:
                 time.sleep(self.poll_interval)
                 continue
             getattr(self, _STATE_CHANGES[action])()
-            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+            if action == RendezvousAction.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 deadline = update_deadline(self._settings.timeout.join)
             self._state_holder.mark_dirty()
 
-    def _may_complete_now(self, ctx: _RendezvousContext, action: _Action) -> bool:
+    def _may_complete_now(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
         """Whether this round can complete now rather than at torch's last call: this node (which
         was in a completed round before) waits as a participant, and every live node participates."""
-        if not self.rejoining or action != _Action.SYNC:
+        if not self.rejoining or action != RendezvousAction.SYNC:
             return False
         state = ctx.state
         participants = state.participants

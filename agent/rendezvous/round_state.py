@@ -1,4 +1,4 @@
-"""torch's dynamic rendezvous state (``_RendezvousState``, pickled) split into the round, which
+"""torch's dynamic rendezvous state (``RendezvousState``, pickled) split into the round, which
 every node shares, and the heartbeats, which each node keeps on its own, and joined again.
 
 The etcd3 backend stores the round without heartbeats and keeps each node's heartbeat as a leased
@@ -15,11 +15,12 @@ from datetime import datetime
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from agent.torch_private import NodeDesc, RendezvousState
 
 _ALLOWED = {
-    (_RendezvousState.__module__, _RendezvousState.__qualname__),
-    (_NodeDesc.__module__, _NodeDesc.__qualname__),
+    (RendezvousState.__module__, RendezvousState.__qualname__),
+    (NodeDesc.__module__, NodeDesc.__qualname__),
     ("datetime", "datetime"),
     ("datetime", "timezone"),
     ("datetime", "timedelta"),
@@ -37,39 +38,39 @@ class _StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def decode(data: bytes) -> _RendezvousState:
+def decode(data: bytes) -> RendezvousState:
     """A state from its pickle, building nothing but the state's own types."""
     try:
         state = _StateUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
         raise RendezvousStateError(f"the stored rendezvous round is corrupt ({exc})") from exc
-    if not isinstance(state, _RendezvousState):
+    if not isinstance(state, RendezvousState):
         raise RendezvousStateError(f"the stored rendezvous round is a {type(state).__name__}, not a rendezvous state")
     return state
 
 
-def encode(state: _RendezvousState) -> bytes:
+def encode(state: RendezvousState) -> bytes:
     return pickle.dumps(state)
 
 
-def node_name(node: _NodeDesc) -> str:
+def node_name(node: NodeDesc) -> str:
     """The node's name as torch writes it (``addr_pid_localid``): its heartbeat key's last part."""
     return repr(node)
 
 
-def split(state: _RendezvousState) -> tuple[_RendezvousState, dict[str, datetime]]:
+def split(state: RendezvousState) -> tuple[RendezvousState, dict[str, datetime]]:
     """The round (``state`` itself, its heartbeats emptied) and the heartbeats by node name."""
     heartbeats = {node_name(node): moment for node, moment in state.last_heartbeats.items()}
     state.last_heartbeats = {}
     return state, heartbeats
 
 
-def listed(state: _RendezvousState) -> set[_NodeDesc]:
+def listed(state: RendezvousState) -> set[NodeDesc]:
     """Every node the round knows: participants, waiting and redundant nodes (each has a heartbeat)."""
     return set(state.participants) | state.wait_list | state.redundancy_list
 
 
-def same_round(a: _RendezvousState, b: _RendezvousState) -> bool:
+def same_round(a: RendezvousState, b: RendezvousState) -> bool:
     """Whether two states hold the same round (heartbeats aside; sets compared as sets, so the
     pickles' byte order, which follows each process' hash seed, does not matter)."""
     return all(getattr(a, field) == getattr(b, field) for field in _COMPARED)
