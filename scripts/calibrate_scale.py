@@ -1,7 +1,8 @@
 """Checks scripts/simulate_scale.py's model against this machine, both sides measured in one run:
 the parameters the model is given (storage read speeds from the raw-read column of a restore
-benchmark run now, one reader stream, filling new memory, a worker start, the rendezvous settings
-of the harness) and the figures it predicts (that same restore run's torchrevive, torchsnapshot and
+benchmark run now, one reader stream, filling new memory, workers forked from a warm process with
+their process-group init and model build, a killed agent seen from its liveness connection, the
+rendezvous settings of the harness) and the figures it predicts (that same restore run's torchrevive, torchsnapshot and
 torch.load columns; a kill and a freeze in a local cluster run now).
 
     python scripts/calibrate_scale.py --json out.json
@@ -29,17 +30,28 @@ from simulate_scale import Assumptions, torchrevive
 
 REPO = Path(__file__).resolve().parents[1]
 
-WORKER_START = textwrap.dedent("""
-    import sys, time
+WARM_WORKER = textwrap.dedent("""
+    # As the example's workers start when they resume: forked warm, a gloo group, the model built
+    # without initializers and wrapped in DDP without a broadcast (the restore sets the values).
+    import os, sys, time
+    forked = time.time()
     import torch, torch.distributed as dist
-    from agent import Checkpointer  # torchsnapshot, DTensor and DCP load, as in the example's workers
     from examples.train import build_model
     rank, world, port, width = map(int, sys.argv[1:5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    # as the example starts when it resumes: no initializers, no broadcast (the restore sets the values)
+    grouped = time.time()
     torch.nn.parallel.DistributedDataParallel(build_model(width, torch.device("cpu"), initialize=False), init_sync=False)
-    print(time.time(), flush=True)
-    import os; os._exit(0)
+    print(forked, grouped, time.time(), flush=True)
+    os._exit(0)
+""")
+LIVENESS_PEER = textwrap.dedent("""
+    import sys, time
+    from torch.distributed import TCPStore
+    from agent.liveness import PeerLiveness
+    store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+    PeerLiveness("127.0.0.1", on_dead=lambda node, at: None).start_round(store, "peer", ["peer", "watcher"])
+    print("ready", flush=True)
+    time.sleep(600)
 """)
 
 
@@ -73,18 +85,62 @@ def first_touch_gbps(size: int = 1 << 30) -> float:
     return size / (time.perf_counter() - start) / 1e9
 
 
-def worker_start_s(workers: int, width: int) -> float:
-    """Start ``workers`` processes at once that import torch and torchrevive, join a gloo group and
-    build the example model under DDP: until the last is ready."""
+def warm_worker_start(workers: int, width: int) -> dict[str, float]:
+    """Fork ``workers`` workers at once from a warm process as the agent does (it has imported
+    torch, torchrevive's worker API and the harness's preload), each joining a gloo group and
+    building the example model under DDP: the fork, the group's init and the build, each until the
+    last worker is through it."""
+    from agent.warm_workers import WarmProcess, become_subreaper
     from local_cluster import job_env
     from local_ports import free_port
 
+    become_subreaper()
     port, env = free_port(), job_env()
-    start = time.time()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER_START, str(r), str(workers), str(port), str(width)],
-                              stdout=subprocess.PIPE, text=True, env=env, cwd=REPO) for r in range(workers)]
-    ready = [float(p.communicate(timeout=300)[0].split()[-1]) for p in procs]
-    return max(ready) - start
+    warm = WarmProcess(["torch._dynamo"], env)
+    with tempfile.TemporaryDirectory() as work:
+        script = Path(work) / "warm_worker.py"
+        script.write_text(WARM_WORKER)
+        assert not warm.wait_ready(), warm.problem
+        outs = [open(Path(work) / f"out{rank}", "w+") for rank in range(workers)]  # noqa: SIM115
+        start = time.time()
+        procs = [warm.fork([sys.executable, "-u", str(script), str(rank), str(workers), str(port), str(width)], env,
+                           [0, out.fileno(), 2]) for rank, out in enumerate(outs)]
+        assert all(proc.wait(300) == 0 for proc in procs), "a calibration worker failed"
+        times = [[float(t) for t in (Path(work) / f"out{rank}").read_text().split()] for rank in range(workers)]
+        for out in outs:
+            out.close()
+    warm.close()
+    forked, grouped, built = (max(column) for column in zip(*times))
+    return {"warm_fork_s": forked - start, "process_group_init_s": grouped - forked, "model_build_s": built - grouped}
+
+
+def liveness_detect_s(monitor_interval: float, repeats: int = 3) -> float:
+    """A peer agent's process killed: until this agent's liveness connection to it says so, plus
+    half the monitor interval the agent acts on it in (median of ``repeats``)."""
+    import queue
+    import signal
+
+    from torch.distributed import TCPStore
+
+    from agent.liveness import PeerLiveness
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    latencies = []
+    for attempt in range(repeats):
+        deaths: queue.Queue = queue.Queue()
+        peer = subprocess.Popen([sys.executable, "-c", LIVENESS_PEER, str(store.port)], cwd=REPO, env=_job_env(),
+                                stdout=subprocess.PIPE, text=True)
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        watcher = PeerLiveness("127.0.0.1", on_dead=lambda node, at: deaths.put(time.time()))
+        watcher.start_round(store, "watcher", ["peer", "watcher"])
+        time.sleep(1.0)  # connected
+        killed = time.time()
+        peer.send_signal(signal.SIGKILL)
+        latencies.append(deaths.get(timeout=30) - killed)
+        peer.wait()
+        watcher.close()
+        store.delete_key("torchrevive/liveness/peer")
+    return statistics.median(latencies) + monitor_interval / 2
 
 
 def restore_run(size_gb: float, repeats: int) -> dict:
@@ -128,15 +184,15 @@ def restore_rows(bench: dict, stream: float, first_touch: float) -> list[tuple[s
     ]
 
 
-def recovery_rows(cluster: dict, bench: dict, start_s: float) -> list[tuple[str, float, float]]:
+def recovery_rows(cluster: dict, bench: dict, start: dict[str, float], detect_s: float) -> list[tuple[str, float, float]]:
     raw = bench["results"]["raw_read"]
     rows = []
     for run, failure in zip(cluster["runs"], ("kill", "hang")):
         nodes, nproc = run["world_size_before"] // cluster["nproc_per_node"], cluster["nproc_per_node"]
         local = replace(Assumptions(), gpus=nodes * nproc, gpus_per_node=nproc, size_bytes=cluster["state_bytes"],
                         storage_aggregate_gbps=raw["cold_gbps"], client_gbps=raw["cold_gbps"],
-                        memory_gbps=raw["warm_gbps"], page_cache_warm=1.0, worker_start_s=start_s, rendezvous_s=0.5,
-                        failure=failure, keep_alive_s=1.0, keep_alive_attempts=3, first_step_s=0.0)
+                        memory_gbps=raw["warm_gbps"], page_cache_warm=1.0, rendezvous_s=0.5, failure=failure,
+                        keep_alive_s=1.0, keep_alive_attempts=3, first_step_s=0.0, liveness_detect_s=detect_s, **start)
         predicted = sum(torchrevive(local).values())
         measured = run["recovery_s"] - run["phases"]["first_step"]
         scenario = "kill" if failure == "kill" else "freeze"
@@ -159,11 +215,12 @@ def main() -> None:
     bench = restore_run(args.size_gb, args.repeats)
     cluster = cluster_run(args.nodes, args.state_mb)
     # The survivors of the kill start their workers: as many as the cluster has after it.
-    start = worker_start_s(args.nodes - 1, width_for(args.state_mb))
+    start = warm_worker_start(args.nodes - 1, width_for(args.state_mb))
+    detect = liveness_detect_s(monitor_interval=0.1)  # the harness's job.monitor_interval
     raw = bench["results"]["raw_read"]
     parameters = {"raw_read_cold_gbps": raw["cold_gbps"], "raw_read_warm_gbps": raw["warm_gbps"],
-                  "stream_read_gbps": stream, "first_touch_gbps": first_touch, "worker_start_s": start}
-    rows = restore_rows(bench, stream, first_touch) + recovery_rows(cluster, bench, start)
+                  "stream_read_gbps": stream, "first_touch_gbps": first_touch, "liveness_detect_s": detect, **start}
+    rows = restore_rows(bench, stream, first_touch) + recovery_rows(cluster, bench, start, detect)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_1m_5m_15m": list(os.getloadavg()),
               "rows": [{"what": w, "predicted_s": p, "measured_s": m} for w, p, m in rows],
               "max_rel_error": max(abs(p - m) / m for _, p, m in rows), "parameters": parameters,

@@ -12,6 +12,8 @@ Scenarios (several, comma-separated, run in sequence on the same job):
   kill-worker  SIGKILL one worker process of a node
   kill-during-save     SIGKILL a node while an async save is being written
   kill-during-restore  SIGKILL a node, then another while the survivors restore
+  cpu-hog      starve a node of CPU for --slow-s s (nice 10 beside busy processes): it is slow, not
+               dead, and no node is declared lost
 `--chaos N --seed S` instead injects N faults drawn at random from kill, freeze, partition (with
 --netns), join, kill-worker, kill-during-save and kill-during-restore into one job of --steps, and
 checks the finished job against a fault-free reference (scripts/chaos.py; JSON "chaos": {"faults",
@@ -266,8 +268,8 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             if cluster.memory_interval:  # and a memory snapshot newer than it: what the memory tier is for
                 cluster.wait_for(lambda ev, t=since: newer_in_memory(ev, t), args.timeout, "a newer memory snapshot")
             fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
-            if scenario in NETWORK_SCENARIOS:
-                results.append(NETWORK_SCENARIOS[scenario](cluster, args, fault))
+            if scenario in CHECKED_SCENARIOS:
+                results.append(CHECKED_SCENARIOS[scenario](cluster, args, fault))
                 print(f"{scenario:12s} " + json.dumps(results[-1]), flush=True)
                 continue
             if scenario == "kill-during-save":  # while an async save is being written
@@ -382,6 +384,32 @@ def slow_link(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
             "ok": not false_losses and watched["commits"] > 0}
 
 
+def cpu_hog(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
+    """Starve node ``fault`` of CPU for --slow-s: its agent and workers at nice 10 beside two busy
+    processes per core at nice 0. The node is slow, not dead: training goes on and no node is
+    declared lost, by its heartbeats or by its liveness connections."""
+    node = psutil.Process(cluster.nodes[fault].pid)
+    starved = [node, *node.children(recursive=True)]
+    for proc in starved:
+        proc.nice(10)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    started = time.time()
+    try:
+        watched = _steady(cluster, args, args.slow_s)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        for proc in starved:
+            with contextlib.suppress(psutil.Error):
+                proc.nice(0)
+    steps = [cluster.step_at(started), cluster.step_at(time.time())]
+    false_losses = [c for c in watched["membership_changes"] if c["cause"] in ("node_lost", "node_hung")]
+    return {"scenario": "cpu-hog", "hogs": len(hogs), **watched, "steps_trained": steps,
+            "false_node_lost": len(false_losses),
+            "ok": not false_losses and None not in steps and steps[1] > steps[0]}
+
+
 def etcd_leader(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
     """SIGKILL the etcd cluster's leader: training goes on with no restart, every snapshot stays."""
     etcd = getattr(args, "etcd_cluster", None)
@@ -419,8 +447,9 @@ def store_host_outcome(cluster: Cluster, args: argparse.Namespace, fault_at: flo
             "ok": timeline is not None or args.backend == "c10d"}
 
 
-NETWORK_SCENARIOS: dict[str, Callable[[Cluster, argparse.Namespace, int], dict]] = {
-    "partition": partition, "slow-link": slow_link, "etcd-leader": etcd_leader}
+CHECKED_SCENARIOS: dict[str, Callable[[Cluster, argparse.Namespace, int], dict]] = {
+    "partition": partition, "slow-link": slow_link, "etcd-leader": etcd_leader, "cpu-hog": cpu_hog}
+"""Scenarios that report their own checks (and "ok") instead of a recovery."""
 
 
 def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
@@ -554,7 +583,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--netns", action="store_true", help="each node in a network namespace of its own (root)")
     parser.add_argument("--partition-s", type=float, default=15, help="partition: how long the link stays cut")
-    parser.add_argument("--slow-s", type=float, default=20, help="slow-link, etcd-leader: how long the job is watched")
+    parser.add_argument("--slow-s", type=float, default=20, help="slow-link, etcd-leader, cpu-hog: how long the job is watched")
     parser.add_argument("--slow-delay-ms", type=float, default=100)
     parser.add_argument("--slow-loss-pct", type=float, default=1)
     parser.add_argument("--store-host-wait-s", type=float, default=90,

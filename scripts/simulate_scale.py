@@ -4,9 +4,11 @@
                unpickling) and broadcasts every tensor to the other ranks;
   parallel     torchrun defaults; every rank reads its own shard in parallel, torchsnapshot-style
                (each chunk read into a buffer and copied again: a fraction of the storage speed);
-  torchrevive  heartbeat detection, re-rendezvous without the last-call wait, node prefetch during
-               worker start, sharded reads at storage speed, replicated state read once per
-               cluster (striped) and exchanged over the network.
+  torchrevive  a killed agent seen from its closed connection (a hang from its heartbeats),
+               re-rendezvous without the last-call wait, workers forked from a warm process
+               (then process-group init and model build), node prefetch during worker start,
+               sharded reads at storage speed, replicated state read once per cluster (striped)
+               and exchanged over the network.
 
     python scripts/simulate_scale.py --gpus 512 --size-tb 1 --json out.json
 
@@ -53,7 +55,16 @@ class Assumptions:
     memory_gbps: float = 20.0
     """Page-cache-to-tensor copy speed per node (warm reads)."""
     worker_start_s: float = 20.0
-    """Process start, imports, NCCL/gloo init and model build at this scale."""
+    """A cold worker start at this scale: process start, imports, NCCL init and model build."""
+    warm_fork_s: float = 0.05
+    """A worker forked from the agent's warm process (torch and the job's modules imported)."""
+    process_group_init_s: float = 5.0
+    """NCCL communicator init of every rank at this scale, once the processes run."""
+    model_build_s: float = 2.0
+    """Building the model on the device without initializing it (meta device, to_empty)."""
+    liveness_detect_s: float = 0.2
+    """After a kill: until a survivor's liveness connection to the dead agent closes and the loss
+    is acted on."""
     first_step_s: float = 5.0
     keep_alive_s: float = 1.0
     keep_alive_attempts: int = 3
@@ -103,12 +114,18 @@ def parallel(a: Assumptions) -> dict[str, float]:
             "workers_start": a.worker_start_s, "restore": restore, "first_step": a.first_step_s}
 
 
+def torchrevive_worker_start_s(a: Assumptions) -> float:
+    """Workers forked warm, then their process group and model."""
+    return a.warm_fork_s + a.process_group_init_s + a.model_build_s
+
+
 def torchrevive(a: Assumptions) -> dict[str, float]:
     heartbeat = a.keep_alive_s * a.keep_alive_attempts
-    detect = heartbeat + a.keep_alive_s / 4 if a.failure == "hang" else a.failure_seen_s
-    # A killed node leaves the round once its heartbeats lapse, so the next round waits for that
-    # (a hang was detected by it already); then a few polls of the state.
-    rendezvous = max(0.0, heartbeat - detect) + a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
+    # A killed agent's connections close at once and it is dropped from the round for every node;
+    # a hung one is found by its heartbeats' lapse. Then the round takes a few polls of the state.
+    detect = heartbeat + a.keep_alive_s / 4 if a.failure == "hang" else a.liveness_detect_s
+    rendezvous = a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
+    workers_start = torchrevive_worker_start_s(a)
     nodes = a.nodes - 1
     sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
     stripe = a.size_bytes * a.replicated_fraction / nodes  # read once per cluster, a stripe per node
@@ -116,10 +133,10 @@ def torchrevive(a: Assumptions) -> dict[str, float]:
     exchange = a.size_bytes * a.replicated_fraction / (a.nic_gbps * 1e9)
     # The agent prefetches the node's share while the workers start; the restore then copies from
     # the page cache what arrived and reads the rest.
-    prefetched = min(read, a.worker_start_s)
+    prefetched = min(read, workers_start)
     copy = (sharded + stripe) * (prefetched / read if read else 0) / (a.memory_gbps * 1e9)
     restore = read - prefetched + copy + exchange
-    return {"detect": detect, "rendezvous": rendezvous, "workers_start": a.worker_start_s, "restore": restore,
+    return {"detect": detect, "rendezvous": rendezvous, "workers_start": workers_start, "restore": restore,
             "first_step": a.first_step_s}
 
 
