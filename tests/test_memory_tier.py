@@ -19,8 +19,8 @@ import torch.distributed as dist
 from conftest import REPO, free_port
 
 from agent.events import read_events
-from agent.memory.layout import SECRET_FILE, MemorySnapshot
-from agent.memory.peer_files import PeerFileClient, read_secret
+from agent.memory.layout import KEY_FILE, MemorySnapshot
+from agent.memory.peer_files import PeerFileClient, read_key
 from agent.memory.tier import MemoryChoice, MemoryTier, newest_complete
 from agent.recovery_timeline import recovery_after
 
@@ -178,17 +178,17 @@ def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_en
             buddies = list(pool.map(lambda g: tiers[g].start_round(round_store, 4, g, 2), (0, 1)))
         addresses = ["%s:%d" % tier._server.address for tier in tiers]
         assert buddies == [addresses[1], addresses[0]]
-        secrets = [(tier.root / SECRET_FILE).read_bytes() for tier in tiers]
-        assert secrets[0] == secrets[1] and oct((tiers[0].root / SECRET_FILE).stat().st_mode & 0o777) == "0o600"
+        secrets = [(tier.root / KEY_FILE).read_bytes() for tier in tiers]
+        assert secrets[0] == secrets[1] and oct((tiers[0].root / KEY_FILE).stat().st_mode & 0o777) == "0o600"
         (tiers[1].root / "r4" / "step_3").mkdir(parents=True)
         (tiers[1].root / "r4" / "step_3" / "f").write_bytes(b"x" * 10)
-        with PeerFileClient(tiers[1]._server.address, read_secret(tiers[0].root / SECRET_FILE), round=4) as client:
+        with PeerFileClient(tiers[1]._server.address, read_key(tiers[0].root / KEY_FILE), round=4) as client:
             assert client.list("r4") == {"step_3/f": 10}
         # A later round (another prefix) and a new agent: the same secret, kept outside the rounds.
         late = MemoryTier(tmp_path / "node2", host="127.0.0.1", secret_file=None)
         tiers.append(late)
         assert late.start_round(dist.PrefixStore("torch.rendezvous.job.5", job_store), 5, 0, 1) == ""  # alone: no buddy
-        assert (late.root / SECRET_FILE).read_bytes() == secrets[0]
+        assert (late.root / KEY_FILE).read_bytes() == secrets[0]
         # The kept secret goes (with etcd3, with its writer's lease) and a new agent draws another
         # first: the others take it at their next round, and every agent still reaches every other.
         job_store.delete_key("torchrevive/memory/secret")
@@ -197,8 +197,8 @@ def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_en
         round6 = dist.PrefixStore("torch.rendezvous.job.6", job_store)
         assert newcomer.start_round(round6, 6, 0, 1) == ""
         tiers[1].start_round(round6, 6, 1, 1)  # a standby node of round 6: it still takes the secret
-        assert (tiers[1].root / SECRET_FILE).read_bytes() == (newcomer.root / SECRET_FILE).read_bytes() != secrets[0]
-        with PeerFileClient(tiers[1]._server.address, read_secret(newcomer.root / SECRET_FILE), round=6) as client:
+        assert (tiers[1].root / KEY_FILE).read_bytes() == (newcomer.root / KEY_FILE).read_bytes() != secrets[0]
+        with PeerFileClient(tiers[1]._server.address, read_key(newcomer.root / KEY_FILE), round=6) as client:
             assert client.list("r4") == {"step_3/f": 10}
     finally:
         for tier in tiers:

@@ -26,7 +26,7 @@ from torchsnapshot.flatten import flatten
 from torchsnapshot.serialization import ALL_SUPPORTED_DTYPES
 
 from agent.checkpoint import compat
-from agent.checkpoint.collectives import barrier, first_error, rank
+from agent.checkpoint.collectives import barrier, first_error, own_group, rank
 from agent.checkpoint.commit import Commit, commit
 from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir, snapshot_dir, step_of
 from agent.checkpoint.fallback import restore_first_good
@@ -242,8 +242,8 @@ class Checkpointer:
     def _save_group(self) -> dist.ProcessGroup | None:
         """The save's own process group (gloo, created once by every rank at its first save), so
         that its collectives never interleave with the training's; None outside a group."""
-        if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=SAVE_GROUP_TIMEOUT)
+        if self._group is None:
+            self._group = own_group(SAVE_GROUP_TIMEOUT)
         return self._group
 
     def _write_and_commit(self, step: int, state: dict[str, Any], replicated: list[str],

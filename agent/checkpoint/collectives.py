@@ -3,6 +3,7 @@ verdict. Each is a no-op outside a process group; ``group`` None means the defau
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -38,3 +39,10 @@ def from_rank0(value: Any, group: dist.ProcessGroup | None = None) -> Any:
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def own_group(timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """A new gloo group of every rank, for a background save whose collectives must never
+    interleave with the training's (every rank makes it at the same point); None outside a
+    process group."""
+    return dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,16 +43,28 @@ def commit(save: Commit, record: WriteRecord, group: dist.ProcessGroup | None,
     written directory is then removed, and the previous snapshot stays the latest). Rank 0 calls
     ``on_committed(bytes)`` the moment the commit is durable, before telling the others: a node
     killed after the commit still leaves its record."""
-    outcomes = gather((record.error, record.files), group)
-    error = next((e for e, _ in outcomes if e), None)
-    if rank(group) == 0:
-        files = {name: d for _, written in outcomes for name, d in written.items()}
-        if error is None:
-            error = _commit_on_rank0(save, files, world_size=len(outcomes))
+
+    def on_rank0(files: dict[str, Any], world_size: int) -> str | None:
+        error = _commit_on_rank0(save, files, world_size=world_size)
         if error is None:
             on_committed(sum(d.size for d in files.values()))
-        else:
-            shutil.rmtree(save.written, ignore_errors=True)
+        return error
+
+    verdict = agree_and_commit(record.error, record.files, group, on_rank0)
+    if verdict is not None and rank(group) == 0:
+        shutil.rmtree(save.written, ignore_errors=True)
+    return verdict
+
+
+def agree_and_commit(error: str | None, files: Mapping[str, Any], group: dist.ProcessGroup | None,
+                     commit_on_rank0: Callable[[dict[str, Any], int], str | None]) -> str | None:
+    """Gather every rank's outcome (its error, the files it wrote); when no rank failed, rank 0
+    commits with ``commit_on_rank0(every rank's files, world size)``. Every rank returns rank 0's
+    verdict: None when committed, else the first error."""
+    outcomes = gather((error, dict(files)), group)
+    error = next((e for e, _ in outcomes if e), None)
+    if rank(group) == 0 and error is None:
+        error = commit_on_rank0({name: d for _, written in outcomes for name, d in written.items()}, len(outcomes))
     return from_rank0(error, group)
 
 

@@ -20,7 +20,7 @@ from agent.checkpoint.dirs import COMMIT_MARKER
 
 _ROUND_DIR = re.compile(r"^r(\d+)$")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-SECRET_FILE = ".torchrevive_memory_secret"
+KEY_FILE = ".torchrevive_memory_key"
 FETCHED_FILE = ".torchrevive_fetched"
 
 

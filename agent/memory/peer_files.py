@@ -38,6 +38,10 @@ MAX_HEADER_BYTES = 1 << 16
 CHUNK_BYTES = 4 << 20
 
 
+KEY_BYTES = 32
+"""The data plane's key: 32 bytes (a SHA-256, or 32 random bytes)."""
+
+
 class PeerError(TorchreviveError):
     """A peer refused a request, failed to authenticate, or sent something malformed."""
 
@@ -316,7 +320,8 @@ class PeerFileClient:
 
 
 def read_secret(path: str | os.PathLike[str]) -> bytes:
-    """The job's memory-tier secret from ``path`` (a file only its owner can read)."""
+    """The data plane's key derived from the job's memory-tier secret at ``path`` (a file only its
+    owner can read): its SHA-256."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -329,6 +334,29 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     if len(secret) < 16:
         raise PeerError(f"{path}: the memory tier's secret is {len(secret)} bytes; use at least 16")
     return hashlib.sha256(secret).digest()
+
+
+def write_key(path: str | os.PathLike[str], key: bytes) -> None:
+    """Keep the data plane's key (32 bytes) at ``path``, readable by its owner alone, for the
+    node's workers (:func:`read_key`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+
+
+def read_key(path: str | os.PathLike[str]) -> bytes:
+    """The key :func:`write_key` kept at ``path``."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        key = path.read_bytes()
+    except OSError as exc:
+        raise PeerError(f"{path}: cannot read the memory tier's key ({exc.strerror}); is the node's agent "
+                        "running with the memory tier on?") from exc
+    if mode & 0o077 or len(key) != KEY_BYTES:
+        raise PeerError(f"{path}: not a memory-tier key (mode {oct(mode & 0o777)}, {len(key)} bytes); "
+                        "its agent writes it, mode 600")
+    return key
 
 
 def parse_address(endpoint: str) -> tuple[str, int]:

@@ -24,13 +24,14 @@ from typing import Any
 import torch.distributed as dist
 
 from agent.checkpoint.checksums import CHECKSUMS_FILE, FileDigest, write_checksums
-from agent.checkpoint.collectives import first_error, from_rank0, gather, rank
+from agent.checkpoint.collectives import first_error, own_group, rank
+from agent.checkpoint.commit import agree_and_commit
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import write_snapshot
 from agent.events import EventLog
-from agent.memory.layout import SECRET_FILE, MemorySnapshot, prune
-from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_secret
+from agent.memory.layout import KEY_FILE, MemorySnapshot, prune
+from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_key
 
 
 class MemorySaver:
@@ -50,7 +51,7 @@ class MemorySaver:
                  events: EventLog) -> None:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
         self._buddy = parse_address(buddy) if buddy else None
-        self._secret = read_secret(self.root / SECRET_FILE) if buddy else b""
+        self._secret = read_key(self.root / KEY_FILE) if buddy else b""
         self._local_rank, self.events = local_rank, events
         self._stager = Stager()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory")
@@ -79,8 +80,8 @@ class MemorySaver:
             self._in_flight.result()
 
     def _save_group(self) -> dist.ProcessGroup | None:
-        if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+        if self._group is None:
+            self._group = own_group()
         return self._group
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], replicated: list[str],
@@ -95,13 +96,15 @@ class MemorySaver:
         snapshot = MemorySnapshot(self.round, step)
         path = self.root / snapshot.relative
         record = write_snapshot(path, staged, replicated=replicated, group=group)
-        error = record.error or self._replicate(path, snapshot, record.files)
-        outcomes = gather((error, record.files), group)
-        error = next((e for e, _ in outcomes if e), None)
-        files = {name: digest for _, written in outcomes for name, digest in written.items()}
-        if rank(group) == 0 and error is None:
-            error = self._commit_on_rank0(path, snapshot, files, world_size=len(outcomes))
-        error = from_rank0(error, group)
+        committed_bytes = 0
+
+        def on_rank0(files: dict[str, FileDigest], world_size: int) -> str | None:
+            nonlocal committed_bytes
+            committed_bytes = sum(d.size for d in files.values())
+            return self._commit_on_rank0(path, snapshot, files, world_size=world_size)
+
+        error = agree_and_commit(record.error or self._replicate(path, snapshot, record.files), record.files, group,
+                                 on_rank0)
         if error is not None:
             self._failed(step, error)
             return
@@ -109,7 +112,7 @@ class MemorySaver:
             prune(self.root, snapshot)
         if rank(group) == 0:
             self.events.record("memory_save_committed", step=step, snapshot=str(path),
-                               seconds=time.perf_counter() - started, bytes=sum(d.size for d in files.values()))
+                               seconds=time.perf_counter() - started, bytes=committed_bytes)
 
     def _replicate(self, path: Path, snapshot: MemorySnapshot, files: Mapping[str, FileDigest]) -> str | None:
         """Push this rank's files to the buddy; the error, if any."""

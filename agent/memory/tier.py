@@ -27,8 +27,15 @@ from typing import Any
 from agent.checkpoint.checksums import CHECKSUMS_FILE
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.errors import RestoreError
-from agent.memory.layout import SECRET_FILE, MemorySnapshot, inventory, mark_fetched
-from agent.memory.peer_files import PeerError, PeerFileClient, PeerFileServer, parse_address, read_secret
+from agent.memory.layout import KEY_FILE, MemorySnapshot, inventory, mark_fetched
+from agent.memory.peer_files import (
+    PeerError,
+    PeerFileClient,
+    PeerFileServer,
+    parse_address,
+    read_secret,
+    write_key,
+)
 
 _PREFIX = "torchrevive/memory"
 
@@ -68,7 +75,7 @@ class MemoryTier:
         self._secret_file = secret_file
         self._server: PeerFileServer | None = None
         self._secret = b""
-        self._secret_source = b""
+        """The data plane's key (32 bytes) this agent serves and pulls with."""
         self._shared_hex = ""
 
     def close(self) -> None:
@@ -160,24 +167,21 @@ class MemoryTier:
         new one draws one) and takes what the store holds: the first offer wins, and should the
         key go (with etcd3, with the lease of the agent that wrote it) the agents converge again."""
         if self._secret_file:
-            secret = read_secret(self._secret_file)
+            key = read_secret(self._secret_file)
         else:
             job_store = getattr(store, "underlying_store", store)
             offer = self._shared_hex or secrets.token_hex(32)
             self._shared_hex = job_store.compare_set(f"{_PREFIX}/secret", "", offer).decode()
-            secret = bytes.fromhex(self._shared_hex)
-        if self._server is not None and self._secret_source == secret:
+            key = bytes.fromhex(self._shared_hex)  # 32 random bytes: a key as it is
+        if self._server is not None and self._secret == key:
             return
         # The workers read it from the node's memory directory (mode 600, in a 700 directory).
-        path = self.root / SECRET_FILE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret.hex().encode())
-        self._secret_source, self._secret = secret, read_secret(path)
+        write_key(self.root / KEY_FILE, key)
+        self._secret = key
         if self._server is None:
-            self._server = PeerFileServer(self.root, self._secret, host=self.host)
+            self._server = PeerFileServer(self.root, key, host=self.host)
         else:
-            self._server.secret = self._secret
+            self._server.secret = key
 
 
 def newest_complete(held: Mapping[int, Mapping[str, Any]]) -> MemoryChoice | None:
