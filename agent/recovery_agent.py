@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -340,11 +341,12 @@ class RecoveryAgent(LocalElasticAgent):
             reap_orphans(keep={self._warm.pid})
             with torch_private.subprocess_handlers(warm_handler):
                 pids = super()._start_workers(worker_group)
-        spawn_reason = self._spawn_reason(handlers, worker_group)
+        spawn_reason = self._spawn_reason(handlers)
         self.events.record("workers_started", seconds=time.monotonic() - started,
                            ranks=[w.global_rank for w in worker_group.workers],
                            start="spawn" if spawn_reason else "warm", spawn_reason=spawn_reason or None)
-        if spawn_reason and self._warm is not None and not self._warm.refused:
+        if self._warm is not None and ((self._warm.problem and not self._warm.refused)
+                                       or any(h.environment_changed for h in handlers)):
             self._warm.close()  # gone, or made for another environment: a new one for the next round
             self._warm = self._start_warm_process()
         self._prev_world_size = worker_group.workers[0].world_size
@@ -353,8 +355,10 @@ class RecoveryAgent(LocalElasticAgent):
         return pids
 
     def _start_warm_process(self) -> WarmProcess | None:
-        """Become the workers' subreaper and start a warm process; None (with an event) where the
-        platform offers no subreaper."""
+        """Become the workers' subreaper and start a warm process; None where workers cannot be
+        forked from one (see :meth:`_spawn_reason`), with an event where the platform is why."""
+        if self._spawned_by_design():
+            return None
         try:
             become_subreaper()
         except OSError as exc:
@@ -364,12 +368,22 @@ class RecoveryAgent(LocalElasticAgent):
         self.events.record("warm_process_started", pid=warm.pid, preload=warm.preload)
         return warm
 
-    def _spawn_reason(self, handlers: list[WarmSubprocessHandler], worker_group: WorkerGroup) -> str:
+    def _spawned_by_design(self) -> str:
+        """Why this job's workers are never forked warm, or "": they do not run this Python (a
+        function with --run-path, --no-python, another PYTHON_EXEC) or run under numactl."""
+        spec = self._worker_group.spec
+        if spec.entrypoint != sys.executable:
+            return f"the workers' entrypoint {spec.entrypoint!r} is not this Python (--run-path, --no-python or PYTHON_EXEC)"
+        if spec.numa_options is not None:
+            return "workers run under numactl (--numa-binding)"
+        return ""
+
+    def _spawn_reason(self, handlers: list[WarmSubprocessHandler]) -> str:
         """Why this round's workers were spawned rather than forked warm ("" when all were warm)."""
         if self._warm is None:
-            return "warm workers are off" if not self._job.launch.warm_workers else "no subreaper on this platform"
-        if not isinstance(worker_group.spec.entrypoint, str):
-            return "the entrypoint is a Python function (--run-path), started by torch's multiprocessing"
+            if not self._job.launch.warm_workers:
+                return "warm workers are off (launch.warm_workers)"
+            return self._spawned_by_design() or "no subreaper on this platform"
         return next((h.spawn_reason for h in handlers if h.spawn_reason), "")
 
     def _start_prefetch(self, worker_group: WorkerGroup) -> None:

@@ -49,9 +49,6 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
         }
         return {
             "recovery_s": step["time"] - failed,
-            # How long the job trained no step: from the change seen to the first step after it
-            # (for a join the job trains on while the new node starts).
-            "stall_s": step["time"] - detected,
             "cause": first_change["cause"],
             # A standby node's change has none: it ran no workers.
             "world_size_before": next((e["world_size"] for e in sorted(changes, key=lambda e: e["time"])

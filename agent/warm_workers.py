@@ -45,6 +45,7 @@ REPLY_WAIT_S = 10.0
 """How long the agent waits for the warm process to fork one worker."""
 INTERPRETER_FLAGS = ("-u",)
 """What torchrun puts between the interpreter and the script; the warm process runs with them."""
+ENVIRONMENT_CHANGED = "environment variables differ from the warm process's"
 _PR_SET_CHILD_SUBREAPER = 36
 _START = "from agent.warm_process import main; import sys; main(int(sys.argv[1]), sys.argv[2:])"
 
@@ -96,7 +97,7 @@ class WarmProcess:
         changed = sorted(key for key in self.env.keys() | env.keys()
                          if key not in round_keys and self.env.get(key) != env.get(key))
         if changed:
-            return f"environment variables differ from the warm process's: {', '.join(changed[:5])}"
+            return f"{ENVIRONMENT_CHANGED}: {', '.join(changed[:5])}"
         return self.wait_ready()
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str], streams: Sequence[int]) -> AdoptedProcess:
@@ -205,10 +206,13 @@ class WarmSubprocessHandler(SubprocessHandler):
         self._warm = warm
         self._round_keys = frozenset(round_keys) | kwargs["env"].keys()
         self.spawn_reason = ""
+        self.environment_changed = False
+        """The worker was spawned because the environment is not the warm process's any more."""
         super().__init__(**kwargs)
 
     def _popen(self, args: tuple, env: dict[str, str]) -> Any:
         self.spawn_reason = self._warm.unusable_for(args, env, self._round_keys)
+        self.environment_changed = self.spawn_reason.startswith(ENVIRONMENT_CHANGED)
         if not self.spawn_reason:
             streams = [0, self._stdout.fileno() if self._stdout else 1, self._stderr.fileno() if self._stderr else 2]
             try:

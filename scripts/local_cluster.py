@@ -38,9 +38,10 @@ mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its
 
 JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
 "world_size_before", "world_size_after", "restored_step", "restore_source" (memory or storage),
-"bytes_from_storage", "steps_lost" (the step at the fault less the step restored), "stall_s" (from the
-change seen to the first step: a join's new node starts while the job trains on), "phases":
-{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"recovery_s", "capped", "cap_s"}}; with several scenarios, "runs" holds
+"bytes_from_storage", "steps_lost" (the step at the fault less the step restored), "stall_s" (the job's
+pause in training: from rank 0's last step before the recovered job's first step to it; for a join,
+whose new node starts while the job trains on, less than recovery_s), "phases":
+{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"recovery_s", "capped", "cap_s", "stall_s"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
 fault's run holds its checks, and "ok" when all hold.
 """
@@ -305,6 +306,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             reached = cluster.step_at(fault_at)
             if reached is not None and timeline["restored_step"] is not None:
                 timeline["steps_lost"] = reached - timeline["restored_step"]
+            timeline["stall_s"] = training_gap(read_events(cluster.marks), fault_at)
             results.append({"scenario": scenario, **timeline})
             print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
                   f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
@@ -452,6 +454,17 @@ CHECKED_SCENARIOS: dict[str, Callable[[Cluster, argparse.Namespace, int], dict]]
 """Scenarios that report their own checks (and "ok") instead of a recovery."""
 
 
+def training_gap(marks: list[dict], after: float) -> float | None:
+    """How long the job trained no step around a fault at ``after``: from the last step rank 0
+    finished before the recovered job's first step to that first step (None before it). For a
+    kill it is about the recovery; for a join, whose new node starts while the job trains on, it
+    is the job's own pause."""
+    steps = sorted((m for m in marks if m["event"] in ("step", "first_step_done")), key=lambda m: m["time"])
+    first = next((m for m in steps if m["event"] == "first_step_done" and m["time"] > after), None)
+    before = [m["time"] for m in steps if first is not None and m["time"] < first["time"]]
+    return first["time"] - before[-1] if before else None
+
+
 def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
     """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s.
     ``unshared_store``: see ClassicCluster."""
@@ -476,8 +489,9 @@ def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshare
             resumed = cluster.wait_for(lambda marks: [m for m in marks if m["event"] == "first_step_done"
                                                       and m["time"] > fault_at], args.cap_s, "baseline recovery")
         except TimeoutError:
-            return {"recovery_s": None, "capped": True, "cap_s": args.cap_s}
-        return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s}
+            return {"recovery_s": None, "capped": True, "cap_s": args.cap_s, "stall_s": None}
+        return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s,
+                "stall_s": training_gap(read_events(cluster.marks), fault_at)}
     finally:
         cluster.stop()
 

@@ -47,6 +47,16 @@ def start_torchrevive(args: Sequence[str], *, env: dict[str, str] | None = None,
 
 
 @pytest.fixture
+def store():
+    """A TCPStore server on 127.0.0.1, on a port the kernel chose (as the c10d store's host)."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+    del server
+
+
+@pytest.fixture
 def rdzv_endpoint() -> str:
     return f"127.0.0.1:{free_port()}"
 

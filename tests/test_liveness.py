@@ -14,7 +14,6 @@ import textwrap
 import time
 
 import pytest
-from torch.distributed import TCPStore
 
 from agent.liveness import ADDRESS_KEY, FULL, MAX_WATCHERS, PeerLiveness, watched_peers
 from agent.events import read_events
@@ -36,13 +35,6 @@ PEER = textwrap.dedent("""
 """)
 SILENCE_S = 2.0
 """How long a watcher must stay quiet where no death happened."""
-
-
-@pytest.fixture
-def store():
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield server
-    del server
 
 
 @pytest.fixture

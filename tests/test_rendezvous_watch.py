@@ -33,14 +33,6 @@ would still be waiting for its 60 s last call)."""
 
 
 @pytest.fixture
-def store():
-    """The c10d store's host, on a port the kernel chose."""
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield server
-    del server
-
-
-@pytest.fixture
 def make_node(store):
     handlers: list[DynamicRendezvousHandler] = []
 

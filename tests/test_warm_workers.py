@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, worker_env
+from conftest import worker_env
 
 AGENT = textwrap.dedent("""
     # A stand-in agent: starts a warm process, runs each command of the request warm and then
