@@ -154,6 +154,24 @@ def test_a_damaged_memory_file_falls_back_to_storage(tmp_path):
     assert recovery["restore_source"] == "storage" and recovery["world_size_after"] == 2
 
 
+def test_a_save_that_is_not_committed_leaves_no_ram_behind(tmp_path):
+    # One node, no buddy: the snapshot is written to the memory directory, then cannot be
+    # replicated, so it is not committed; the node frees it (a full tmpfs must not stay full).
+    from agent.events import EventLog
+    from agent.memory.saver import MemorySaver
+
+    root = tmp_path / "memory"
+    (root / "r3" / "step_4").mkdir(parents=True)  # an older snapshot that was never committed either
+    saver = MemorySaver(root, interval_steps=1, buddy="", round=3, local_rank=0,
+                        events=EventLog(tmp_path / "events.jsonl"))
+    assert saver.save(5, {"model": {"weight": torch.arange(1000.0)}}, replicated=[])
+    saver.wait()
+    [failed] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "memory_save_failed"]
+    assert failed["step"] == 5 and "buddy" in failed["error"]
+    assert not (root / "r3" / "step_5").exists()  # written, then freed
+    assert (root / "r3" / "step_4").exists()  # another snapshot is not this save's to remove
+
+
 def test_a_full_tmpfs_warns_and_the_storage_tier_goes_on(tmp_path):
     cluster = local_cluster.Cluster(memory_args(memory_mb=1, state_mb=8), tmp_path)
     try:

@@ -3,7 +3,8 @@ torchsnapshot's format, holding this node's ranks' files and a replica of its pr
 (node ``g`` is the buddy of node ``g - 1``). A memory snapshot is committed once its checksum
 record and commit marker exist on two nodes: rank 0's and its buddy's.
 
-A node keeps its newest committed memory snapshot and the one being written, nothing older.
+A node keeps its newest committed memory snapshot and the one being written, nothing older; a
+save that fails leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def prune(root: Path, committed: MemorySnapshot) -> None:
     for snapshot in snapshots(root):
         if snapshot < committed:
             shutil.rmtree(root / snapshot.relative, ignore_errors=True)
+    _remove_empty_rounds(root)
+
+
+def discard(root: Path, failed: MemorySnapshot) -> None:
+    """Remove what this node holds of a snapshot that was not committed (its own files and the
+    replica it received), so that a failed save leaves no RAM behind."""
+    shutil.rmtree(root / failed.relative, ignore_errors=True)
+    _remove_empty_rounds(root)
+
+
+def _remove_empty_rounds(root: Path) -> None:
     for round_dir in root.glob("r*"):
         if round_dir.is_dir() and not any(round_dir.iterdir()):
             round_dir.rmdir()

@@ -6,8 +6,9 @@ the buddy first, then into its own copy.
 
 All of it runs in the background on a gloo group of its own. A save still in flight when the next
 is due is skipped (every rank decides together). A failure (tmpfs full, the buddy gone) is a
-warning and a ``memory_save_failed`` event, never an exception: the storage tier goes on as if
-the memory tier were off.
+warning and a ``memory_save_failed`` event, never an exception, and the node frees what it held of
+that snapshot: the storage tier goes on as if the memory tier were off, and the next save has the
+room.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import write_snapshot
 from agent.events import EventLog
-from agent.memory.layout import KEY_FILE, MemorySnapshot, prune
+from agent.memory.layout import KEY_FILE, MemorySnapshot, discard, prune
 from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_key
 
 
@@ -89,7 +90,7 @@ class MemorySaver:
         try:
             self._write_and_commit_or_raise(step, staged, replicated, group, started)
         except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
-            self._failed(step, f"{type(exc).__name__}: {exc}")
+            self._failed(MemorySnapshot(self.round, step), f"{type(exc).__name__}: {exc}")
 
     def _write_and_commit_or_raise(self, step: int, staged: dict[str, Any], replicated: list[str],
                                    group: dist.ProcessGroup | None, started: float) -> None:
@@ -106,7 +107,7 @@ class MemorySaver:
         error = agree_and_commit(record.error or self._replicate(path, snapshot, record.files), record.files, group,
                                  on_rank0)
         if error is not None:
-            self._failed(step, error)
+            self._failed(snapshot, error)
             return
         if self._local_rank == 0:
             prune(self.root, snapshot)
@@ -143,10 +144,13 @@ class MemorySaver:
             return f"committing {path}: {exc}"
         return None
 
-    def _failed(self, step: int, error: str) -> None:
+    def _failed(self, snapshot: MemorySnapshot, error: str) -> None:
+        """Report a save that was not committed, and free what the node holds of it."""
+        if self._local_rank == 0:
+            discard(self.root, snapshot)
         if rank(self._group) == 0:
-            self.events.record("memory_save_failed", step=step, error=error)
+            self.events.record("memory_save_failed", step=snapshot.step, error=error)
         if error not in self._warned:  # once per distinct cause: saves may run every step
             self._warned.add(error)
-            warnings.warn(f"memory snapshot of step {step} not committed ({error}); the storage tier is unaffected",
-                          stacklevel=2)
+            warnings.warn(f"memory snapshot of step {snapshot.step} not committed ({error}); the storage tier is "
+                          "unaffected", stacklevel=2)
