@@ -112,12 +112,18 @@ def test_a_live_node_that_joins_late_is_waited_for(store, make_node):
     assert rendezvous(handlers, store=store, late=handlers[2], late_by=1.5) == [3, 3, 3]
 
 
-def test_a_survivor_between_leaving_and_joining_is_waited_for(store, make_node):
-    nodes = [make_node(keep_alive_max_attempt=3) for _ in range(3)]
+def formed(nodes) -> list[DynamicRendezvousHandler]:
+    """The nodes' handlers, after a first round of all of them (from then on they rejoin)."""
     handlers = [h for h, _ in nodes]
-    assert rendezvous(handlers) == [3, 3, 3]
+    assert rendezvous(handlers) == [len(nodes)] * len(nodes)
     for _, executor in nodes:
         executor.rejoining = True
+    return handlers
+
+
+def test_a_survivor_between_leaving_and_joining_is_waited_for(store, make_node):
+    nodes = [make_node(keep_alive_max_attempt=3) for _ in range(3)]
+    handlers = formed(nodes)
     third = handlers[2]._this_node
     handlers[2]._stop_heartbeats()  # the third node dies; once it is dropped, the others re-form
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -144,10 +150,7 @@ def test_a_survivor_between_leaving_and_joining_is_waited_for(store, make_node):
 def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, make_node):
     # Heartbeats lapse after 60 s here: nothing below may wait for that.
     nodes = [make_node(keep_alive_max_attempt=60) for _ in range(3)]
-    handlers = [h for h, _ in nodes]
-    assert rendezvous(handlers) == [3, 3, 3]
-    for _, executor in nodes:
-        executor.rejoining = True
+    handlers = formed(nodes)
     watch = MembershipWatch(handlers[0], ledger=nodes[0][1].ledger, poll_interval=0.05)
     watch.start_round()
     dead = str(handlers[2]._this_node)
