@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -209,11 +210,7 @@ class JobConfig:
 
 def all_key_paths() -> list[str]:
     """Every settable key of the config, as ``section.name``."""
-    return [
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(JobConfig)
-        for f in dataclasses.fields(_section_type(section.name))
-    ]
+    return list(_key_hints())
 
 
 def parse_nnodes(value: int | str) -> tuple[int, int]:
@@ -297,10 +294,11 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
 
 def set_value(config: JobConfig, path: str, value: Any, *, source: str) -> None:
     """Set one key, coercing ``value`` to the key's type; errors name ``source``."""
-    if path not in all_key_paths():
-        raise ConfigError(f"{source}: unknown key{_did_you_mean(path, all_key_paths())}")
+    hints = _key_hints()
+    if path not in hints:
+        raise ConfigError(f"{source}: unknown key{_did_you_mean(path, hints)}")
     section, name = _split_path(path)
-    hint = typing.get_type_hints(_section_type(section))[name]
+    hint = hints[path]
     try:
         coerced = _coerce(value, hint)
     except ValueError as exc:
@@ -445,8 +443,18 @@ def _section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(JobConfig)]
 
 
-def _section_type(section: str) -> type:
-    return typing.get_type_hints(JobConfig)[section]
+@functools.cache
+def _key_hints() -> dict[str, Any]:
+    """Every settable key's type, by ``section.name``, in the config's order: resolved once (a
+    worker loads its job config while it resumes, and resolving the string annotations was most
+    of that)."""
+    sections = typing.get_type_hints(JobConfig)
+    keys: dict[str, Any] = {}
+    for section in dataclasses.fields(JobConfig):
+        hints = typing.get_type_hints(sections[section.name])
+        for f in dataclasses.fields(sections[section.name]):
+            keys[f"{section.name}.{f.name}"] = hints[f.name]
+    return keys
 
 
 def _split_path(path: str) -> tuple[str, str]:
