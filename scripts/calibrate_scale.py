@@ -1,6 +1,7 @@
 """Checks scripts/simulate_scale.py's model against this machine, both sides measured in one run:
 the parameters the model is given (storage read speeds from the raw-read column of a restore
-benchmark run now, one reader stream, filling new memory, workers forked from a warm process with
+benchmark run now, one reader stream, filling new memory (alone, and by as many processes at once as
+a recovery's workers), workers forked from a warm process with
 their process-group init and model build, a killed agent seen from its liveness connection, the
 rendezvous settings of the harness) and the figures it predicts (that same restore run's torchrevive, torchsnapshot and
 torch.load columns; a kill and a freeze in a local cluster run now).
@@ -44,6 +45,15 @@ WARM_WORKER = textwrap.dedent("""
     print(forked, grouped, time.time(), flush=True)
     os._exit(0)
 """)
+FIRST_TOUCH = textwrap.dedent("""
+    import sys, time
+    import torch
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.perf_counter()
+    torch.empty(int(sys.argv[1]), dtype=torch.uint8).fill_(1)
+    print(time.perf_counter() - start, flush=True)
+""")
 LIVENESS_PEER = textwrap.dedent("""
     import sys, time
     from torch.distributed import TCPStore
@@ -75,14 +85,19 @@ def stream_read_gbps(size: int = 1 << 30, repeats: int = 3) -> float:
         return statistics.median(rates)
 
 
-def first_touch_gbps(size: int = 1 << 30) -> float:
-    """Filling freshly allocated memory (page faults included): what materializing a loaded
-    checkpoint in new tensors costs, beside copying into existing ones."""
-    import torch
-
-    start = time.perf_counter()
-    torch.empty(size, dtype=torch.uint8).fill_(1)
-    return size / (time.perf_counter() - start) / 1e9
+def first_touch_gbps(size: int = 1 << 30, processes: int = 1) -> float:
+    """Filling freshly allocated memory (page faults included), per process, with ``processes``
+    doing it at once: what materializing a loaded checkpoint in new tensors costs, beside copying
+    into existing ones (as the workers of a recovery do, each into the model it just built)."""
+    fillers = [subprocess.Popen([sys.executable, "-c", FIRST_TOUCH, str(size)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    assert all(f.stdout is not None and f.stdout.readline().strip() == "ready" for f in fillers)
+    for filler in fillers:  # every filler starts at once
+        assert filler.stdin is not None
+        filler.stdin.write("go\n")
+        filler.stdin.flush()
+    slowest = max(float(f.communicate()[0]) for f in fillers)
+    return size / slowest / 1e9
 
 
 def warm_worker_start(workers: int, width: int) -> dict[str, float]:
@@ -184,14 +199,20 @@ def restore_rows(bench: dict, stream: float, first_touch: float) -> list[tuple[s
     ]
 
 
-def recovery_rows(cluster: dict, bench: dict, start: dict[str, float], detect_s: float) -> list[tuple[str, float, float]]:
+def recovery_rows(cluster: dict, bench: dict, start: dict[str, float], detect_s: float,
+                  fresh_touch_gbps: float) -> list[tuple[str, float, float]]:
+    """The harness's job is DDP (every rank restores the whole state, `restore.replicated: all`)
+    from the page cache (its snapshot was just written) into a model built uninitialized: each
+    byte is copied from the cache into a page touched for the first time."""
     raw = bench["results"]["raw_read"]
+    copy_gbps = 1 / (1 / raw["warm_gbps"] + 1 / fresh_touch_gbps)
     rows = []
     for run, failure in zip(cluster["runs"], ("kill", "hang")):
         nodes, nproc = run["world_size_before"] // cluster["nproc_per_node"], cluster["nproc_per_node"]
         local = replace(Assumptions(), gpus=nodes * nproc, gpus_per_node=nproc, size_bytes=cluster["state_bytes"],
+                        replicated_fraction=1.0, stripe_replicated=False,
                         storage_aggregate_gbps=raw["cold_gbps"], client_gbps=raw["cold_gbps"],
-                        memory_gbps=raw["warm_gbps"], page_cache_warm=1.0, rendezvous_s=0.5, failure=failure,
+                        memory_gbps=copy_gbps, page_cache_warm=1.0, rendezvous_s=0.5, failure=failure,
                         keep_alive_s=1.0, keep_alive_attempts=3, first_step_s=0.0, liveness_detect_s=detect_s, **start)
         predicted = sum(torchrevive(local).values())
         measured = run["recovery_s"] - run["phases"]["first_step"]
@@ -203,7 +224,7 @@ def recovery_rows(cluster: dict, bench: dict, start: dict[str, float], detect_s:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=1.0, help="the restore benchmark's state")
+    parser.add_argument("--size-gb", type=float, default=2.0, help="the restore benchmark's state")
     parser.add_argument("--repeats", type=int, default=3, help="the restore benchmark's repeats")
     parser.add_argument("--nodes", type=int, default=4, help="the local cluster's nodes (one rank each)")
     parser.add_argument("--state-mb", type=float, default=512, help="the local cluster's training state")
@@ -216,11 +237,13 @@ def main() -> None:
     cluster = cluster_run(args.nodes, args.state_mb)
     # The survivors of the kill start their workers: as many as the cluster has after it.
     start = warm_worker_start(args.nodes - 1, width_for(args.state_mb))
+    fresh_touch = first_touch_gbps(cluster["state_bytes"], processes=args.nodes - 1)  # the survivors' workers at once
     detect = liveness_detect_s(monitor_interval=0.1)  # the harness's job.monitor_interval
     raw = bench["results"]["raw_read"]
     parameters = {"raw_read_cold_gbps": raw["cold_gbps"], "raw_read_warm_gbps": raw["warm_gbps"],
-                  "stream_read_gbps": stream, "first_touch_gbps": first_touch, "liveness_detect_s": detect, **start}
-    rows = restore_rows(bench, stream, first_touch) + recovery_rows(cluster, bench, start, detect)
+                  "stream_read_gbps": stream, "first_touch_gbps": first_touch,
+                  "first_touch_concurrent_gbps": fresh_touch, "liveness_detect_s": detect, **start}
+    rows = restore_rows(bench, stream, first_touch) + recovery_rows(cluster, bench, start, detect, fresh_touch)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_1m_5m_15m": list(os.getloadavg()),
               "rows": [{"what": w, "predicted_s": p, "measured_s": m} for w, p, m in rows],
               "max_rel_error": max(abs(p - m) / m for _, p, m in rows), "parameters": parameters,

@@ -8,7 +8,7 @@
                re-rendezvous without the last-call wait, workers forked from a warm process
                (then process-group init and model build), node prefetch during worker start,
                sharded reads at storage speed, replicated state read once per cluster (striped)
-               and exchanged over the network.
+               and exchanged over the network (or, --no-stripe-replicated, read whole by every rank).
 
     python scripts/simulate_scale.py --gpus 512 --size-tb 1 --json out.json
 
@@ -37,6 +37,9 @@ class Assumptions:
     size_bytes: float = 1e12
     replicated_fraction: float = 0.0
     """Part of the state every data-parallel rank holds whole (0 for FSDP/ZeRO-3)."""
+    stripe_replicated: bool = True
+    """torchrevive reads replicated state once per cluster and exchanges the stripes
+    (`restore.replicated: stripe`); False: every rank reads it whole (`all`, the default)."""
     storage_aggregate_gbps: float = 200.0
     """Parallel filesystem aggregate read bandwidth."""
     client_gbps: float = 10.0
@@ -128,13 +131,16 @@ def torchrevive(a: Assumptions) -> dict[str, float]:
     workers_start = torchrevive_worker_start_s(a)
     nodes = a.nodes - 1
     sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
-    stripe = a.size_bytes * a.replicated_fraction / nodes  # read once per cluster, a stripe per node
-    read = read_s(sharded + stripe, a, a.torchrevive_efficiency, nodes)
-    exchange = a.size_bytes * a.replicated_fraction / (a.nic_gbps * 1e9)
+    replicated = a.size_bytes * a.replicated_fraction
+    if a.stripe_replicated:  # read once per cluster, a stripe per node, then exchanged
+        own, exchange = sharded + replicated / nodes, replicated / (a.nic_gbps * 1e9)
+    else:  # every rank reads it whole
+        own, exchange = sharded + replicated * a.gpus_per_node, 0.0
+    read = read_s(own, a, a.torchrevive_efficiency, nodes)
     # The agent prefetches the node's share while the workers start; the restore then copies from
     # the page cache what arrived and reads the rest.
     prefetched = min(read, workers_start)
-    copy = (sharded + stripe) * (prefetched / read if read else 0) / (a.memory_gbps * 1e9)
+    copy = own * (prefetched / read if read else 0) / (a.memory_gbps * 1e9)
     restore = read - prefetched + copy + exchange
     return {"detect": detect, "rendezvous": rendezvous, "workers_start": workers_start, "restore": restore,
             "first_step": a.first_step_s}
@@ -156,8 +162,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-tb", type=float, default=1.0)
     for f in fields(Assumptions):
-        if f.name != "size_bytes":
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name != "size_bytes":
+            parser.add_argument(flag, type=type(f.default), default=f.default)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     values = {f.name: getattr(args, f.name) for f in fields(Assumptions) if f.name != "size_bytes"}
