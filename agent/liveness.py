@@ -6,7 +6,9 @@ heartbeat in the rendezvous state lapses only after ``keep_alive_interval`` x
 the next :data:`WATCHED_PEERS` participants in the round's order (so that each node is watched by
 that many others, whatever the node count). A connection that ends without the peer's goodbye
 means its process is gone: the watcher declares it dead, and the rendezvous drops it for every node
-(:class:`~agent.rendezvous.node_ledger.NodeLedger`). A frozen or cut-off node keeps its
+(:class:`~agent.rendezvous.node_ledger.NodeLedger`). A refused connection means the same only for an
+address this agent has reached before: one it never reached may name an address that peers cannot
+reach (a hostname resolving to a loopback address), and then the heartbeats tell. A frozen or cut-off node keeps its
 connections open and is still found by its heartbeats' lapse; a slow one is never declared.
 
 Nothing but one byte ever crosses these connections, each way it is data: a peer can end a
@@ -15,6 +17,7 @@ connection, not run anything. An agent ending on purpose says goodbye first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -53,7 +56,8 @@ class PeerLiveness:
     Args:
         host: the node's address to listen on.
         on_dead: called as ``on_dead(node, when)`` (seconds since the epoch) when a watched peer's
-            connection ends without a goodbye or is refused, from the liveness thread.
+            connection ends without a goodbye, or is refused at an address reached before, from a
+            liveness thread.
     """
 
     def __init__(self, host: str, on_dead: Callable[[str, float], None]) -> None:
@@ -67,6 +71,8 @@ class PeerLiveness:
         self._pending: list[tuple[str, socket.socket]] = []
         self._watched: dict[str, socket.socket] = {}
         self._watchers: set[socket.socket] = set()
+        self._reached: set[str] = set()
+        """Addresses a connection of this agent's was accepted at."""
         self._round_stop = threading.Event()
         self._connectors: list[threading.Thread] = []
         self._closed = False
@@ -77,6 +83,7 @@ class PeerLiveness:
 
     @property
     def address(self) -> str:
+        """Where this agent listens, as published to its watchers (``host:port``)."""
         host, port = self._listener.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -118,23 +125,33 @@ class PeerLiveness:
     def _connect(self, store: Any, peers: list[str], stop: threading.Event) -> None:
         deadline = time.monotonic() + PUBLISH_WAIT_S
         waiting = list(peers)
-        while waiting and not stop.is_set() and time.monotonic() < deadline:
-            for peer in [p for p in waiting if store.check([ADDRESS_KEY.format(node=p)])]:
-                waiting.remove(peer)
-                self._watch(peer, store.get(ADDRESS_KEY.format(node=peer)).decode(), stop)
-            stop.wait(0.05)
+        try:
+            while waiting and not stop.is_set() and time.monotonic() < deadline:
+                for peer in [p for p in waiting if store.check([ADDRESS_KEY.format(node=p)])]:
+                    waiting.remove(peer)
+                    self._watch(peer, store.get(ADDRESS_KEY.format(node=peer)).decode(), stop)
+                stop.wait(0.05)
+        except Exception as exc:  # the round's store is gone (its host died): the heartbeats tell
+            logger.warning("cannot read the liveness addresses of %s from the round's store (%s); their loss will "
+                           "be seen from their heartbeats", ", ".join(waiting), exc)
 
     def _watch(self, peer: str, address: str, stop: threading.Event) -> None:
         host, _, port = address.rpartition(":")
         try:
             connection = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
-        except ConnectionRefusedError:  # published this round, listening no more: the agent is gone
-            self._on_dead(peer, time.time())
+        except ConnectionRefusedError:
+            if address in self._reached:  # reached before, listening no more: the agent is gone
+                self._on_dead(peer, time.time())
+            else:
+                logger.warning("the agent of %s refused a liveness connection at %s, an address never reached; its "
+                               "loss will be seen from its heartbeats (is it an address its peers can reach?)",
+                               peer, address)
             return
         except OSError as exc:  # unreachable: the heartbeats tell
             logger.warning("cannot watch the agent of %s at %s (%s); its loss will be seen from its heartbeats",
                            peer, address, exc)
             return
+        self._reached.add(address)
         connection.setblocking(False)
         with self._lock:
             if stop.is_set():
@@ -154,15 +171,21 @@ class PeerLiveness:
         while not self._closed:
             for key, _ in self._selector.select():
                 kind, peer = key.data
-                if kind == "listener":
-                    self._accept()
-                elif kind == "wakeup":
-                    self._wakeup_read.recv(4096)
-                    self._apply_pending()
-                elif kind == "watcher":
-                    self._on_watcher(key.fileobj)
-                else:
-                    self._on_watched(peer, key.fileobj)
+                try:
+                    if kind == "listener":
+                        self._accept()
+                    elif kind == "wakeup":
+                        self._wakeup_read.recv(4096)
+                        self._apply_pending()
+                    elif kind == "watcher":
+                        self._on_watcher(key.fileobj)
+                    else:
+                        self._on_watched(peer, key.fileobj)
+                except OSError as exc:  # one socket's trouble must not end the liveness thread
+                    logger.warning("liveness %s socket: %s", kind, exc)
+                    if kind in ("watcher", "watched"):
+                        self._watchers.discard(key.fileobj)
+                        self._drop(key.fileobj)
         self._say_goodbye()
 
     def _accept(self) -> None:
@@ -171,7 +194,8 @@ class PeerLiveness:
         except BlockingIOError:
             return
         if len(self._watchers) >= MAX_WATCHERS:
-            connection.send(FULL)
+            with contextlib.suppress(OSError):  # gone already
+                connection.send(FULL)
             connection.close()
             return
         connection.setblocking(False)
@@ -226,7 +250,9 @@ class PeerLiveness:
                 connection.send(GOODBYE)
             except OSError:
                 pass
-        for connection in [*self._watchers, *self._watched.values(), self._listener]:
+        with self._lock:
+            pending = [connection for _, connection in self._pending]
+        for connection in [*self._watchers, *self._watched.values(), *pending, self._listener]:
             connection.close()
         self._selector.close()
 

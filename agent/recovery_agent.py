@@ -153,8 +153,8 @@ class RecoveryAgent(LocalElasticAgent):
 
     @_remaining_restarts.setter
     def _remaining_restarts(self, value: int) -> None:
-        # torch's agent sets it in its __init__ (before this agent knows whether it watches the
-        # membership: the machine is made again then) and zeroes it for a worker wedged in the kernel.
+        # torch's agent sets it in its __init__, before this agent knows whether it watches the
+        # membership: the machine is made again then.
         machine = self.__dict__.get("_machine")
         if machine is None:
             self._machine = RecoveryMachine(value, watches_membership=False)
@@ -408,8 +408,8 @@ class RecoveryAgent(LocalElasticAgent):
 
 
     def _wrap_next_rendezvous(self, handler: Any) -> None:
-        """Before each rendezvous, wait for the warm process to be ready (a node joins once it can
-        start workers at once); right after it, before torch assigns worker ranks:
+        """Before this node's first rendezvous, wait for the warm process to be ready (a node joins
+        once it can start workers at once); right after each, before torch assigns worker ranks:
 
         * from the first completed round on, this node completes rounds early (PromptOpExecutor);
         * rank 0 publishes MASTER_ADDR/MASTER_PORT in the round's store. torch 2.13's
@@ -420,15 +420,19 @@ class RecoveryAgent(LocalElasticAgent):
           (so torch's rank assignment leaves them out) and wait for the next change.
         """
         next_rendezvous = handler.next_rendezvous
+        rendezvoused = False
 
         def next_rendezvous_then_roles() -> RendezvousInfo:
+            nonlocal rendezvoused
             if self._watch is not None:
                 self._watch.pause()  # the rendezvous uses the handler's state alone
-            if self._warm is not None:
+            if self._warm is not None and not rendezvoused:
                 # A joining node asks to join once it can start workers at once: the running
                 # job trains on meanwhile instead of waiting for its imports after the round.
+                # (In a later round the job waits for this node anyway: it joins at once.)
                 self._warm.wait_ready()
             info = next_rendezvous()
+            rendezvoused = True
             if self._executor is not None:
                 self._executor.rejoining = True
             if info.rank == 0 and isinstance(handler, DynamicRendezvousHandler):

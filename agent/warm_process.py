@@ -121,23 +121,23 @@ def _fork_worker(channel: socket.socket, fds: list[int]) -> bool:
 
 
 def _in_middle(pid_write: int) -> bool:
-    """In the middle process: fork the worker and hand its PID to the warm process, then exit.
-    Returns (True) only in the worker."""
+    """In the middle process: fork the worker, then exit. The worker starts a session of its
+    own and only then hands its PID to the warm process (so that the agent, once it has the PID,
+    can signal the worker's process group), and returns True."""
     try:
         worker = os.fork()
     except BaseException:
         os._exit(1)
     if worker == 0:
+        os.setsid()
+        os.write(pid_write, str(os.getpid()).encode())
         return True
-    try:
-        os.write(pid_write, str(worker).encode())
-    finally:
-        os._exit(0)
+    os._exit(0)
 
 
 def run_worker(request: WorkerRequest) -> None:
-    """Become the worker of ``request`` and run its target as ``__main__`` (in the forked child)."""
-    os.setsid()
+    """Become the worker of ``request`` and run its target as ``__main__`` (in the forked child,
+    already the leader of a session of its own)."""
     _retitle(request.argv)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     signal.signal(signal.SIGINT, signal.default_int_handler)

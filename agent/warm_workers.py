@@ -15,9 +15,10 @@ process that failed, is gone, or is not ready in time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import json
-import logging
 import os
 import select
 import signal
@@ -32,8 +33,6 @@ import psutil
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from agent.warm_process import MAX_MESSAGE
-
-logger = logging.getLogger(__name__)
 
 ALWAYS_PRELOADED = ("torch", "torch.distributed", "agent.checkpoint.checkpointer", "agent.restore.engine",
                     "agent.elastic_sampler")
@@ -68,7 +67,6 @@ class WarmProcess:
         """The warm process's own refusal (its imports failed, or left it unsafe to fork): a new
         one would refuse too."""
         self._ready = False
-        self._ready_in: float | None = None
         self._channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._process = subprocess.Popen(
@@ -77,12 +75,8 @@ class WarmProcess:
 
     @property
     def pid(self) -> int:
+        """The warm process's PID."""
         return self._process.pid
-
-    @property
-    def import_seconds(self) -> float | None:
-        """How long its imports took, once it is ready."""
-        return self._ready_in
 
     def unusable_for(self, argv: Sequence[str], env: Mapping[str, str], round_keys: Collection[str]) -> str:
         """Why a worker with this command line and environment cannot be forked from this warm
@@ -103,24 +97,60 @@ class WarmProcess:
     def fork(self, argv: Sequence[str], env: Mapping[str, str], streams: Sequence[int]) -> AdoptedProcess:
         """Fork a worker that runs ``argv`` (as :meth:`unusable_for` accepted it) with ``env`` and
         the standard streams ``streams`` (descriptors for 0, 1, 2), in this directory. Raises
-        OSError when the warm process cannot (its problem is set then)."""
+        OSError when the warm process cannot: for this worker alone (its request too large to
+        hand over), or for good (its problem is set then)."""
         after_flags = list(argv[1 + len(INTERPRETER_FLAGS):])
         module = after_flags[0] == "-m"
         target, *args = after_flags[1:] if module else after_flags
         request = {"argv": list(argv), "target": target, "module": module, "args": args, "env": dict(env), "cwd": os.getcwd()}
+        message = json.dumps(request).encode()
+        children = _child_pids()
+        if len(message) > MAX_MESSAGE:
+            raise OSError(errno.EMSGSIZE, f"the worker's command line and environment ({len(message)} bytes) are more "
+                                          f"than a warm process takes ({MAX_MESSAGE})")
         try:
-            socket.send_fds(self._channel, [json.dumps(request).encode()], list(streams))
-            reply = self._receive(REPLY_WAIT_S)
+            socket.send_fds(self._channel, [message], list(streams))
         except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # this socket's limit, below ours: this worker alone is spawned
+                raise
             self.problem = f"the warm process is gone ({exc})"
             raise
+        try:
+            reply = self._receive(REPLY_WAIT_S)
+        except TimeoutError:
+            # It may still fork the worker: end it, and any worker it forked, before one is spawned.
+            self.problem = f"the warm process did not fork a worker within {REPLY_WAIT_S:.0f} s"
+            self._end_with_its_workers(children)
+            raise
+        except (OSError, ValueError) as exc:
+            self.problem = f"the warm process is gone ({exc})"
+            raise OSError(self.problem) from exc
         if "pid" not in reply:
             self._refusal(reply)
             raise OSError(self.problem)
         return AdoptedProcess(int(reply["pid"]))
 
     def alive(self) -> bool:
+        """Whether the warm process is still running."""
         return self._process.poll() is None
+
+    def _end_with_its_workers(self, children: set[int]) -> None:
+        """Kill the warm process and whatever it forked that was not handed over: still its
+        descendant, or re-parented to this process since ``children`` were its children (a
+        worker forked after the reply's wait ran out)."""
+        try:
+            forked = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            forked = []
+        self.close()
+        reparented = []
+        for pid in _child_pids() - children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                reparented.append(psutil.Process(pid))
+        for process in [*forked, *reparented]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs([*forked, *reparented], timeout=5)
 
     def close(self) -> None:
         """End the warm process (workers forked from it go on: they are not its children)."""
@@ -142,7 +172,7 @@ class WarmProcess:
                             f"the warm process exited with {self._process.returncode} before it was ready")
             return self.problem
         if reply.get("ready"):
-            self._ready, self._ready_in = True, float(reply["seconds"])
+            self._ready = True
         else:
             self._refusal(reply)
         return self.problem
@@ -220,6 +250,19 @@ class WarmSubprocessHandler(SubprocessHandler):
             except OSError as exc:
                 self.spawn_reason = str(exc)
         return super()._popen(args, env)
+
+
+def _child_pids() -> set[int]:
+    """This process's children, from each of its threads' ``/proc`` children list (cheap: no scan
+    of every process), or psutil's scan where the kernel has no such list."""
+    pids: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as children:
+                pids.update(int(pid) for pid in children.read().split())
+    except OSError:
+        return {child.pid for child in psutil.Process().children()}
+    return pids
 
 
 def become_subreaper() -> None:

@@ -91,7 +91,8 @@ def first_touch_gbps(size: int = 1 << 30, processes: int = 1) -> float:
     into existing ones (as the workers of a recovery do, each into the model it just built)."""
     fillers = [subprocess.Popen([sys.executable, "-c", FIRST_TOUCH, str(size)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-    assert all(f.stdout is not None and f.stdout.readline().strip() == "ready" for f in fillers)
+    if not all(f.stdout is not None and f.stdout.readline().strip() == "ready" for f in fillers):
+        raise RuntimeError("a memory-filling process failed to start")
     for filler in fillers:  # every filler starts at once
         assert filler.stdin is not None
         filler.stdin.write("go\n")
@@ -115,12 +116,14 @@ def warm_worker_start(workers: int, width: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "warm_worker.py"
         script.write_text(WARM_WORKER)
-        assert not warm.wait_ready(), warm.problem
+        if warm.wait_ready():
+            raise RuntimeError(f"the warm process is unusable: {warm.problem}")
         outs = [open(Path(work) / f"out{rank}", "w+") for rank in range(workers)]  # noqa: SIM115
         start = time.time()
         procs = [warm.fork([sys.executable, "-u", str(script), str(rank), str(workers), str(port), str(width)], env,
                            [0, out.fileno(), 2]) for rank, out in enumerate(outs)]
-        assert all(proc.wait(300) == 0 for proc in procs), "a calibration worker failed"
+        if not all(proc.wait(300) == 0 for proc in procs):
+            raise RuntimeError("a calibration worker failed")
         times = [[float(t) for t in (Path(work) / f"out{rank}").read_text().split()] for rank in range(workers)]
         for out in outs:
             out.close()
@@ -145,7 +148,8 @@ def liveness_detect_s(monitor_interval: float, repeats: int = 3) -> float:
         deaths: queue.Queue = queue.Queue()
         peer = subprocess.Popen([sys.executable, "-c", LIVENESS_PEER, str(store.port)], cwd=REPO, env=_job_env(),
                                 stdout=subprocess.PIPE, text=True)
-        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        if peer.stdout is None or peer.stdout.readline().strip() != "ready":
+            raise RuntimeError("the liveness peer failed to start")
         watcher = PeerLiveness("127.0.0.1", on_dead=lambda node, at: deaths.put(time.time()))
         watcher.start_round(store, "watcher", ["peer", "watcher"])
         time.sleep(1.0)  # connected

@@ -38,8 +38,9 @@ class Assumptions:
     replicated_fraction: float = 0.0
     """Part of the state every data-parallel rank holds whole (0 for FSDP/ZeRO-3)."""
     stripe_replicated: bool = True
-    """torchrevive reads replicated state once per cluster and exchanges the stripes
-    (`restore.replicated: stripe`); False: every rank reads it whole (`all`, the default)."""
+    """torchrevive reads replicated state once per cluster and exchanges the stripes, as a job
+    configured with `restore.replicated: stripe` does (what the figures at scale assume); False:
+    every rank reads it whole, as with the config's default, `all`."""
     storage_aggregate_gbps: float = 200.0
     """Parallel filesystem aggregate read bandwidth."""
     client_gbps: float = 10.0

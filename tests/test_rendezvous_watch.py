@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from agent.membership import MembershipWatch
+from agent.rendezvous.node_ledger import NodeLedger
 from agent.rendezvous.prompt import PromptOpExecutor
 
 LONG_LAST_CALL_S = 60
@@ -155,10 +156,11 @@ def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, 
     watch.start_round()
     dead = str(handlers[2]._this_node)
     handlers[2]._stop_heartbeats()
-    watch.declare_dead(dead, at=123.0)  # as agent.liveness does when its connection closes
+    closed_at = time.time()
+    watch.declare_dead(dead, at=closed_at)  # as agent.liveness does when its connection closes
     change = watch.check(workers_healthy=True)
     assert change is not None and change.cause == "node_lost" and change.by_connection
-    assert change.lost == {dead} and change.failed_at == 123.0 and change.workers_blocked
+    assert change.lost == {dead} and change.failed_at == closed_at and change.workers_blocked
     assert watch.check(workers_healthy=True) is None  # told once
     deadline = time.monotonic() + 10
     while dead in {str(n) for n in stored_state(store).participants}:  # the watch wrote it out
@@ -169,6 +171,17 @@ def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, 
     assert rendezvous(handlers[:2]) == [2, 2]
     assert time.monotonic() - started < 20  # far from the 60 s heartbeat timeout
     watch.close()
+
+
+def test_a_heartbeat_newer_than_a_declaration_undoes_it():
+    # A connection can end while its agent lives (a reset on the way): its next heartbeat says so.
+    ledger = NodeLedger(heartbeat_timeout=3.0)
+    ledger.saw({"a": 99.0})
+    ledger.declare_dead("a", at=100.0)
+    ledger.saw({"a": 99.0})  # the heartbeat it had before: still dead
+    assert ledger.declared_dead("a") and ledger.is_dead("a")
+    ledger.saw({"a": 101.0})
+    assert not ledger.declared_dead("a")
 
 
 def test_the_first_round_still_waits_out_the_last_call(store, make_node):

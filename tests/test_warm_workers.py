@@ -217,3 +217,42 @@ def test_orphans_of_a_killed_worker_are_reaped(tmp_path):
     [result] = run_agent(tmp_path, [run])["results"]
     assert result["warm"]["code"] == result["spawn"]["code"] == -9
     assert result["reaped"] == 2  # the warm and the spawned worker's children, and nothing else
+
+
+STALLED_AGENT = textwrap.dedent("""
+    # A stand-in agent whose warm process stops answering while asked to fork (SIGSTOP, as a
+    # process stalled mid-fork): the fork must give up, and end the warm process with what it
+    # might still fork, before the agent spawns that worker instead. Then the warm process is
+    # let go on (SIGCONT), as a stalled one would.
+    import json, os, signal, sys, time
+    from agent import warm_workers
+    from agent.warm_workers import WarmProcess, become_subreaper
+    become_subreaper()
+    warm_workers.REPLY_WAIT_S = 1.0
+    warm = WarmProcess([], os.environ)
+    assert warm.wait_ready() == ""
+    os.kill(warm.pid, signal.SIGSTOP)
+    try:
+        warm.fork([sys.executable, "-u", sys.argv[1]], dict(os.environ), [0, 1, 2])
+        outcome = "forked"
+    except TimeoutError:
+        outcome = "timed out"
+    try:
+        os.kill(warm.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    time.sleep(2)
+    print(json.dumps({"outcome": outcome, "problem": warm.problem, "alive": warm.alive()}))
+""")
+
+
+def test_a_warm_process_stalled_mid_fork_is_ended_before_the_worker_is_spawned(tmp_path):
+    marker = tmp_path / "ran"
+    worker = script(tmp_path, "mark.py", f"open({str(marker)!r}, 'a').write('x')\n")
+    proc = subprocess.run([sys.executable, "-c", STALLED_AGENT, str(worker)], cwd=tmp_path, env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["outcome"] == "timed out" and not report["alive"]
+    assert report["problem"].startswith("the warm process did not fork a worker")
+    assert not marker.exists()  # no late copy of the worker beside the one the agent spawns

@@ -9,6 +9,7 @@ save that fails leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -114,4 +115,5 @@ def discard(root: Path, failed: MemorySnapshot) -> None:
 def _remove_empty_rounds(root: Path) -> None:
     for round_dir in root.glob("r*"):
         if round_dir.is_dir() and not any(round_dir.iterdir()):
-            round_dir.rmdir()
+            with contextlib.suppress(OSError):  # a snapshot of that round arriving meanwhile
+                round_dir.rmdir()

@@ -72,7 +72,8 @@ class NodeLedger:
 
     def saw(self, heartbeats: dict[str, float]) -> None:
         """Record heartbeats read from the state (node -> seconds since the epoch). A heartbeat
-        newer than the one a node was dropped with brings it back (a frozen node thawed)."""
+        newer than the one a node was dropped with brings it back (a frozen node thawed), and one
+        newer than its declaration undoes that (its agent lives: its connection ended otherwise)."""
         with self._lock:
             for node, moment in heartbeats.items():
                 if moment <= _LONG_AGO.timestamp():
@@ -81,6 +82,8 @@ class NodeLedger:
                     self._seen[node] = moment
                 if node in self._dropped and moment > self._dropped[node]:
                     del self._dropped[node]
+                if node in self._declared and moment > self._declared[node]:
+                    del self._declared[node]
 
     def lapsed(self, nodes: dict[str, float]) -> None:
         """Record nodes whose heartbeats lapsed as the backend itself tells (etcd3's expired
