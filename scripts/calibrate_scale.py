@@ -140,7 +140,7 @@ def liveness_detect_s(monitor_interval: float, repeats: int = 3) -> float:
 
     from torch.distributed import TCPStore
 
-    from agent.liveness import PeerLiveness
+    from agent.liveness import ADDRESS_KEY, PeerLiveness
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     latencies = []
@@ -158,7 +158,8 @@ def liveness_detect_s(monitor_interval: float, repeats: int = 3) -> float:
         latencies.append(deaths.get(timeout=30) - killed)
         peer.wait()
         watcher.close()
-        store.delete_key("torchrevive/liveness/peer")
+        for node in ("peer", "watcher"):  # the next pair publishes its own addresses
+            store.delete_key(ADDRESS_KEY.format(node=node))
     return statistics.median(latencies) + monitor_interval / 2
 
 

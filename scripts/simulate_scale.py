@@ -124,10 +124,12 @@ def torchrevive_worker_start_s(a: Assumptions) -> float:
 
 
 def torchrevive(a: Assumptions) -> dict[str, float]:
-    heartbeat = a.keep_alive_s * a.keep_alive_attempts
-    # A killed agent's connections close at once and it is dropped from the round for every node;
-    # a hung one is found by its heartbeats' lapse. Then the round takes a few polls of the state.
-    detect = heartbeat + a.keep_alive_s / 4 if a.failure == "hang" else a.liveness_detect_s
+    # A killed agent's connections close at once and it is dropped from the round for every node.
+    # A hung one is found when its last heartbeat, on average half an interval before it hung, is
+    # keep_alive x attempts old, by a watch reading the state every keep_alive / 4 (half that on
+    # average). Then the round takes a few polls of the state.
+    heartbeat_lapse = a.keep_alive_s * a.keep_alive_attempts - a.keep_alive_s / 2
+    detect = heartbeat_lapse + a.keep_alive_s / 8 if a.failure == "hang" else a.liveness_detect_s
     rendezvous = a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
     workers_start = torchrevive_worker_start_s(a)
     nodes = a.nodes - 1

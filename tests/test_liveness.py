@@ -102,16 +102,23 @@ def test_a_frozen_peer_is_not_declared_and_is_still_watched(peer, watcher):
     assert deaths.get(timeout=5)[0] == "peer"
 
 
-def test_an_address_reached_before_that_no_longer_listens_is_dead(store, watcher):
+def a_peer_sends_and_ends(store, watcher, data: bytes) -> None:
+    """A stand-in peer published as "peer" that, once watched, sends ``data`` and closes: the
+    watcher must not declare it dead for that."""
     deaths, liveness = watcher
     with socket.create_server(("127.0.0.1", 0)) as server:
         store.set(ADDRESS_KEY.format(node="peer"), f"127.0.0.1:{server.getsockname()[1]}")
         connection, _ = server.accept()
         watching(liveness)
-        connection.sendall(GOODBYE)  # it leaves the round on purpose: not declared
+        connection.sendall(data)
         connection.close()
         with pytest.raises(queue.Empty):
             deaths.get(timeout=SILENCE_S)
+
+
+def test_an_address_reached_before_that_no_longer_listens_is_dead(store, watcher):
+    deaths, liveness = watcher
+    a_peer_sends_and_ends(store, watcher, GOODBYE)  # it leaves the round on purpose: not declared
     liveness.start_round(store, "watcher", ["peer", "watcher"])  # the next round: nothing listens there now
     assert deaths.get(timeout=5)[0] == "peer"
 
@@ -129,16 +136,8 @@ def test_a_refused_address_never_reached_is_not_declared(store, watcher):
 
 
 def test_a_peer_that_sends_what_agents_never_send_is_not_declared(store, watcher):
-    deaths, liveness = watcher
-    with socket.create_server(("127.0.0.1", 0)) as impostor:
-        store.set(ADDRESS_KEY.format(node="peer"), f"127.0.0.1:{impostor.getsockname()[1]}")
-        connection, _ = impostor.accept()
-        watching(liveness)
-        connection.sendall(b"hello")
-        connection.close()
-        with pytest.raises(queue.Empty):
-            deaths.get(timeout=SILENCE_S)
-    assert "peer" not in liveness._watched
+    a_peer_sends_and_ends(store, watcher, b"hello")
+    assert "peer" not in watcher[1]._watched
 
 
 def test_watchers_beyond_the_cap_are_told_so_and_do_not_declare(store, watcher):
