@@ -8,8 +8,9 @@ that many others, whatever the node count). A connection that ends without the p
 means its process is gone: the watcher declares it dead, and the rendezvous drops it for every node
 (:class:`~agent.rendezvous.node_ledger.NodeLedger`). A refused connection means the same only for an
 address this agent has reached before: one it never reached may name an address that peers cannot
-reach (a hostname resolving to a loopback address), and then the heartbeats tell. A frozen or cut-off node keeps its
-connections open and is still found by its heartbeats' lapse; a slow one is never declared.
+reach (a hostname resolving to a loopback address), and then the heartbeats tell. A frozen or
+cut-off node keeps its connections open and is still found by its heartbeats' lapse; a slow one is
+never declared.
 
 Nothing but one byte ever crosses these connections, each way it is data: a peer can end a
 connection, not run anything. An agent ending on purpose says goodbye first.

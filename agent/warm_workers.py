@@ -143,14 +143,12 @@ class WarmProcess:
         except psutil.NoSuchProcess:
             forked = []
         self.close()
+        _kill_and_wait(forked)  # what they forked meanwhile is re-parented here once they are gone
         reparented = []
         for pid in _child_pids() - children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 reparented.append(psutil.Process(pid))
-        for process in [*forked, *reparented]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs([*forked, *reparented], timeout=5)
+        _kill_and_wait(reparented)
 
     def close(self) -> None:
         """End the warm process (workers forked from it go on: they are not its children)."""
@@ -250,6 +248,13 @@ class WarmSubprocessHandler(SubprocessHandler):
             except OSError as exc:
                 self.spawn_reason = str(exc)
         return super()._popen(args, env)
+
+
+def _kill_and_wait(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=5)
 
 
 def _child_pids() -> set[int]:
