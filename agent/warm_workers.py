@@ -104,10 +104,10 @@ class WarmProcess:
         target, *args = after_flags[1:] if module else after_flags
         request = {"argv": list(argv), "target": target, "module": module, "args": args, "env": dict(env), "cwd": os.getcwd()}
         message = json.dumps(request).encode()
-        children = _child_pids()
         if len(message) > MAX_MESSAGE:
             raise OSError(errno.EMSGSIZE, f"the worker's command line and environment ({len(message)} bytes) are more "
                                           f"than a warm process takes ({MAX_MESSAGE})")
+        children = _child_pids()  # to tell a worker forked too late from this agent's other children
         try:
             socket.send_fds(self._channel, [message], list(streams))
         except OSError as exc:
