@@ -161,6 +161,10 @@ class ElasticSection:
     micro_batch_size: int | None = None
     stop_grace: Seconds = Seconds(3.0)
     """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
+    join_wait: Seconds = Seconds(30.0)
+    """A joining node is admitted at the next committed snapshot (memory or storage) when the
+    snapshots so far say one is due within this long: training goes on meanwhile, and the restart
+    then loses only the steps trained while the workers stop. 0: admitted at once."""
 
 
 @dataclass(kw_only=True)
@@ -354,6 +358,8 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
             fail(path, f"port {port} is outside 0..65535")
     if config.launch.shutdown_timeout is not None and config.launch.shutdown_timeout < 0:
         fail("launch.shutdown_timeout", "must be >= 0 seconds")
+    if config.elastic.join_wait < 0:
+        fail("elastic.join_wait", "must be >= 0 seconds (0: a joining node is admitted at once)")
     elastic = config.elastic
     if (elastic.global_batch_size is None) != (elastic.micro_batch_size is None):
         fail("elastic.global_batch_size", "set both elastic.global_batch_size and elastic.micro_batch_size, or neither")

@@ -64,6 +64,9 @@ class Change:
     """The local workers were still running, blocked on the lost peer, when the loss was seen."""
     by_connection: bool = False
     """The loss was seen from the lost agent's closed connection, not from its heartbeats."""
+    left: frozenset[str] = frozenset()
+    """Participants that left the round by themselves (their agents restart): their workers are
+    gone, so the local ones cannot train on."""
 
 
 class MembershipWatch:
@@ -108,6 +111,11 @@ class MembershipWatch:
         self._lapsed: Callable[[], dict[str, float]] | None = getattr(backend, "lapsed", None)
         """etcd3's heartbeat keys: the nodes whose key expired, and when each last refreshed it."""
         threading.Thread(target=self._read_loop, name="torchrevive-membership", daemon=True).start()
+
+    @property
+    def poll_interval(self) -> float:
+        """The least time between two reads of the state."""
+        return self._poll_interval
 
     @property
     def node(self) -> str:
@@ -198,7 +206,7 @@ class MembershipWatch:
         # A participant that left with a current heartbeat left by itself: its agent is restarting
         # (for a joining node, or a failed worker of its own) and rejoins through the wait list.
         if current.waiting or gone:
-            return Change("node_joined", joined=current.waiting | gone)
+            return Change("node_joined", joined=current.waiting | gone, left=gone)
         return None
 
     def _read_loop(self) -> None:

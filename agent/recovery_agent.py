@@ -22,9 +22,11 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,13 +46,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from agent import health, torch_private, worker
+from agent.commit_notice import read_notice
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.liveness import PeerLiveness
 from agent.membership import Change, MembershipWatch
 from agent.memory.tier import MemoryChoice, MemoryTier
-from agent.recovery_states import ConfirmLoss, Fail, Finish, Recover, RecoveryMachine
+from agent.recovery_states import ConfirmLoss, DeferJoin, Fail, Finish, Recover, RecoveryMachine
 from agent.rendezvous.prompt import PromptOpExecutor
 from agent.checkpoint.dirs import committed_snapshots, write_fence
 from agent.warm_workers import WarmProcess, WarmSubprocessHandler, become_subreaper, reap_orphans
@@ -94,7 +97,13 @@ class RecoveryAgent(LocalElasticAgent):
             self._watch = MembershipWatch(handler, ledger=self._executor.ledger, poll_interval=keep_alive / 4)
             self._liveness = PeerLiveness(node_host(job), on_dead=self._watch.declare_dead)
             torch_private.bind_shared_store(handler, tcp_store_on)
-        self._machine = RecoveryMachine(self._remaining_restarts, watches_membership=self._watch is not None)
+        # Two agents see a join up to one membership read and a monitor pass or two apart.
+        skew = (self._watch.poll_interval if self._watch else 0.0) + 2 * job.job.monitor_interval
+        self._machine = RecoveryMachine(self._remaining_restarts, watches_membership=self._watch is not None,
+                                        join_wait_s=job.elastic.join_wait, detection_skew_s=skew)
+        # Where the node's local rank 0 tells of each commit (agent.commit_notice); the agent's own.
+        self._notice_dir = Path(tempfile.mkdtemp(prefix="torchrevive-agent-"))
+        self._commit_notice = self._notice_dir / "commit_notice.json"
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -127,6 +136,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.ROUND: "" if self._round is None else str(self._round),
             worker.MEMORY_DIR: str(self._memory.root) if self._memory else "",
             worker.MEMORY_BUDDY: self._memory_buddy,
+            worker.COMMIT_NOTICE: str(self._commit_notice),
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -144,6 +154,7 @@ class RecoveryAgent(LocalElasticAgent):
                 self._memory.close()
             if self._warm is not None:
                 self._warm.close()
+            shutil.rmtree(self._notice_dir, ignore_errors=True)
 
     # -- the monitor loop ----------------------------------------------------------------------
 
@@ -171,7 +182,10 @@ class RecoveryAgent(LocalElasticAgent):
             state = self._worker_group.state = result.state
             self._metrics.set_remaining_restarts(self._remaining_restarts)
             change = None if state == WorkerState.SUCCEEDED else self._membership_change(state == WorkerState.HEALTHY)
-            action = self._machine.observe(state, change, now=time.time())
+            action = self._machine.observe(state, change, now=time.time(), commit=read_notice(self._commit_notice))
+            if isinstance(action, DeferJoin):
+                self.events.record("join_deferred", joined=sorted(action.change.joined), due_in_s=action.due - time.time(),
+                                   until_s=action.until - time.time())
             if isinstance(action, ConfirmLoss):
                 action = self._machine.loss_confirmed(self._loss_behind_failure(), now=time.time())
             if isinstance(action, Finish):
@@ -184,7 +198,7 @@ class RecoveryAgent(LocalElasticAgent):
                 self._worker_group.state = WorkerState.FAILED
                 return result
             if isinstance(action, Recover):
-                self._recover(action.change)
+                self._recover(action)
 
     def _membership_change(self, workers_healthy: bool) -> Change | None:
         if self._watch is not None:
@@ -205,13 +219,13 @@ class RecoveryAgent(LocalElasticAgent):
             time.sleep(0.2)
         return None
 
-    def _recover(self, change: Change) -> None:
+    def _recover(self, action: Recover) -> None:
         """Stop the workers at once, then rendezvous and start the next round."""
-        detected = time.time()
+        detected, change = time.time(), action.change
         self.events.record("membership_change", cause=change.cause, lost=sorted(change.lost),
                            joined=sorted(change.joined), failed_at=change.failed_at or detected,
                            workers_blocked=change.workers_blocked, by_connection=change.by_connection,
-                           world_size=self._prev_world_size)
+                           world_size=self._prev_world_size, deferred_s=action.deferred_s, at_commit=action.at_commit)
         self._metrics.count_recovery(change.cause)
         self._prefetch_stop.set()
         started = time.monotonic()

@@ -14,6 +14,13 @@ machine returns, as torch's own elastic agent is driven by ``WorkerState``::
     CONFIRMING_LOSS --loss_confirmed: a peer was lost--> STOPPING          (Recover)
                     --loss_confirmed: none--> FAILED                       (Fail)
     STOPPING --workers_stopped--> RENDEZVOUS
+    HEALTHY --observe: nodes wait to join, a commit due within join_wait--> HEALTHY (DeferJoin)
+            --observe: a commit made since, or join_wait passed--> STOPPING (Recover)
+
+A node waiting to join is admitted at once unless a snapshot is due to commit within
+``join_wait_s``: then training goes on until that commit and restarts from it, losing only the
+steps trained while the workers stop (a loss, a failure or the end of the job meanwhile is acted
+on at once, as ever).
 
 Only a worker's own failure counts against ``max_restarts``; a restart counted for a failure that
 the next round shows was caused by a membership change (peers lost or joined) is given back.
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 
+from agent.commit_notice import CommitNotice
 from agent.membership import Change
 
 
@@ -56,6 +64,19 @@ class Recover:
     change: Change
     counted: bool = False
     """The recovery used up one of ``max_restarts`` (a worker's own failure)."""
+    deferred_s: float = 0.0
+    """How long a join was deferred before it (training went on meanwhile)."""
+    at_commit: int | None = None
+    """The step whose commit ended the deferral (None: not deferred, or it timed out)."""
+
+
+@dataclass(frozen=True)
+class DeferJoin:
+    """Nodes wait to join: keep training until the next commit, due by ``due``, or until ``until``."""
+
+    change: Change
+    due: float
+    until: float
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,7 @@ class Fail:
     """Stop the workers; the agent fails with torch's error summary."""
 
 
-Action = Continue | Recover | ConfirmLoss | Finish | Fail
+Action = Continue | Recover | DeferJoin | ConfirmLoss | Finish | Fail
 
 
 @dataclass(frozen=True)
@@ -97,10 +118,18 @@ class RecoveryMachine:
         max_restarts: how many of its own worker failures the node survives.
         watches_membership: whether membership changes can be observed (a dynamic rendezvous:
             c10d, etcd3); without it a failure with no restart left fails the agent at once.
+        join_wait_s: how long a join may wait for a commit due by then (0: never).
+        detection_skew_s: how much later than another node's agent this one may see the same
+            join: a commit that close before it counts as made since (the others restart at it).
     """
 
-    def __init__(self, max_restarts: int, *, watches_membership: bool) -> None:
+    def __init__(self, max_restarts: int, *, watches_membership: bool, join_wait_s: float = 0.0,
+                 detection_skew_s: float = 0.0) -> None:
         self.phase = Phase.RENDEZVOUS
+        self.join_wait_s = join_wait_s
+        self.detection_skew_s = detection_skew_s
+        self._deferred: tuple[Change, float, float] | None = None
+        """The join being deferred: its change, since when, until when."""
         self.remaining_restarts = max_restarts
         self._watches_membership = watches_membership
         self._restart_counted = False
@@ -119,18 +148,25 @@ class RecoveryMachine:
         self.phase = Phase.STANDBY if standby else Phase.HEALTHY
         return RoundOutcome(lost=lost, joined=joined if previous else frozenset(), refunded=refunded)
 
-    def observe(self, workers: WorkerState, change: Change | None, *, now: float) -> Action:
-        """One pass of the monitor loop: the workers' state and the membership change seen, if any
-        (``now``: seconds since the epoch, for a worker failure's time)."""
+    def observe(self, workers: WorkerState, change: Change | None, *, now: float,
+                commit: CommitNotice | None = None) -> Action:
+        """One pass of the monitor loop: the workers' state, the membership change seen, if any,
+        and the latest commit this node's workers told of (``now``: seconds since the epoch, the
+        clock of a worker failure's time and of the commit notice)."""
         self._expect(Phase.HEALTHY, Phase.STANDBY)
         if workers == WorkerState.SUCCEEDED:
             announce = self.phase == Phase.HEALTHY
             self.phase = Phase.SUCCEEDED
             return Finish(announce=announce)
-        if change is not None:
-            return self._recover(change)
+        if change is not None and not (self._deferred is not None and _only_joins(change)):
+            due = self._commit_due(change, now, commit) if workers == WorkerState.HEALTHY else None
+            if due is None:
+                return self._recover(change)
+            self._deferred = (change, now, now + self.join_wait_s)
+            action = self._deferred_join(now, commit)
+            return action if isinstance(action, Recover) else DeferJoin(change, due=due, until=now + self.join_wait_s)
         if workers == WorkerState.HEALTHY:
-            return Continue()
+            return self._deferred_join(now, commit)
         if self.remaining_restarts <= 0 and self._watches_membership:
             self.phase = Phase.CONFIRMING_LOSS
             return ConfirmLoss()
@@ -154,11 +190,38 @@ class RecoveryMachine:
         self._restart_counted = True
         return self._recover(Change("worker_failed", failed_at=now), counted=True)
 
-    def _recover(self, change: Change, *, counted: bool = False) -> Recover:
+    def _commit_due(self, change: Change, now: float, commit: CommitNotice | None) -> float | None:
+        """When the commit a join can wait for is due; None when it cannot wait: this node stands
+        by, somebody was lost or left, or the commits so far say none is due within ``join_wait_s``."""
+        due = commit.next_due if commit is not None else None
+        if (self.phase == Phase.HEALTHY and _only_joins(change) and self.join_wait_s > 0
+                and due is not None and due <= now + self.join_wait_s):
+            return due
+        return None
+
+    def _deferred_join(self, now: float, commit: CommitNotice | None) -> Action:
+        """Training goes on; a join deferred ends at a commit made since, or at its deadline."""
+        if self._deferred is None:
+            return Continue()
+        change, since, until = self._deferred
+        if commit is not None and commit.at > since - self.detection_skew_s:
+            return self._recover(change, deferred_s=now - since, at_commit=commit.step)
+        if now >= until:
+            return self._recover(change, deferred_s=now - since)
+        return Continue()
+
+    def _recover(self, change: Change, *, counted: bool = False, deferred_s: float = 0.0,
+                 at_commit: int | None = None) -> Recover:
         self.phase = Phase.STOPPING
-        return Recover(change, counted=counted)
+        self._deferred = None
+        return Recover(change, counted=counted, deferred_s=deferred_s, at_commit=at_commit)
 
     def _expect(self, *phases: Phase) -> None:
         if self.phase not in phases:
             raise RuntimeError(f"the recovery agent is {self.phase.value}, not "
                                f"{' or '.join(p.value for p in phases)}: a bug in the agent's monitor loop")
+
+
+def _only_joins(change: Change) -> bool:
+    """Nodes wait to join, and every participant is still in the round: the workers train on."""
+    return change.cause == "node_joined" and not change.lost and not change.left

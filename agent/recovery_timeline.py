@@ -58,5 +58,7 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
             "restore_source": next((e.get("source") for e in restores), None),
             "bytes_from_storage": sum(e.get("bytes_from_storage", 0) for e in restores),
             "phases": phases,
+            # Of the detect phase: how long a join waited for a commit while training went on.
+            "deferred_s": first_change.get("deferred_s") or 0.0,
         }
     return None

@@ -19,6 +19,7 @@ CONFIG = "TORCHREVIVE_CONFIG"
 ROUND = "TORCHREVIVE_ROUND"
 MEMORY_DIR = "TORCHREVIVE_MEMORY_DIR"
 MEMORY_BUDDY = "TORCHREVIVE_MEMORY_BUDDY"
+COMMIT_NOTICE = "TORCHREVIVE_COMMIT_NOTICE"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,8 @@ class WorkerContext:
     rendezvous round (the fencing token of saves), None outside torchrevive's agent.
     ``memory_dir`` is the node's memory directory when the memory tier is on, ``memory_buddy``
     the ``host:port`` of the agent that holds this node's replicas ("" with a single node).
+    ``commit_notice`` is the file where the node's local rank 0 tells its agent of each commit
+    (:mod:`agent.commit_notice`), None outside torchrevive's agent.
     """
 
     rank: int
@@ -48,6 +51,7 @@ class WorkerContext:
     round: int | None = None
     memory_dir: str | None = None
     memory_buddy: str = ""
+    commit_notice: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -84,4 +88,5 @@ class WorkerContext:
             round=integer(ROUND, -1) if env.get(ROUND) else None,
             memory_dir=optional(MEMORY_DIR),
             memory_buddy=env.get(MEMORY_BUDDY, ""),
+            commit_notice=optional(COMMIT_NOTICE),
         )

@@ -20,7 +20,7 @@ is no one's cost), and each run is killed at t0 + duration.
 steps: the highest step completed by t0 + duration, less the step the job started from at t0.
 goodput: steps / the fault-free run's steps. A recovery is a restart of training (after a kill
 or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the highest
-step before it less the step it restored.
+step trained since the previous restart less the step it restored.
 
 JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
 "steps", "recoveries", "steps_lost", "recovery_details": [...], ...}}, "date", "machine", ...}.
@@ -172,9 +172,9 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
 
 def recovery(restart: dict, since: float, steps: list[dict], performed: list[tuple[Fault, float]],
              t0: float) -> dict[str, Any]:
-    """One restart of training: the highest step before it, the step it restored, and the first
-    fault after the previous start (``since``), the one that interrupted training."""
-    before = [m["step"] for m in steps if m["time"] < restart["time"]]
+    """One restart of training: the highest step since the previous start (``since``) before it,
+    the step it restored, and the first fault after that start, the one that interrupted training."""
+    before = [m["step"] for m in steps if since <= m["time"] < restart["time"]]
     cause = next(((fault, at) for fault, at in performed if since < at < restart["time"]), None)
     return {"first_step_at_s": restart["time"] - t0,
             "step_at_failure": max(before),

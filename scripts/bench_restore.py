@@ -10,8 +10,10 @@ Prints a table and writes {"size_bytes", "results": {METHOD: {"warm_gbps", "cold
 "peak_extra_rss_bytes"}}, "verify": {...}, ...}. GB/s is state bytes (10^9) per
 second of wall time. ``torchrevive`` restores with the default ``verify="sample"``; ``verify``
 gives the cost of each verify mode against ``"off"``, measured in one process with the modes
-interleaved (separate processes differ by more than the cost itself). Saving is measured by
-bench_save.py.
+interleaved (separate processes differ by more than the cost itself). ``torch_load`` also has
+``stream_cold_s``: its file read cold in one sequential stream, interleaved with its cold
+restores (this VM's disk moves by 2x within minutes; the read beside each restore moves with it).
+Saving is measured by bench_save.py.
 """
 
 from __future__ import annotations
@@ -113,6 +115,16 @@ def raw_read(paths: list[Path], threads: int) -> None:
         t.join()
 
 
+def stream_read(path: Path) -> float:
+    """Seconds to read ``path`` in one sequential stream (as one ``torch.load`` reader does)."""
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - start
+
+
 def restore_once(method: str, root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> None:
     if method == "torchrevive" or method.startswith("verify_"):
         import agent
@@ -179,12 +191,18 @@ def measure_method(method: str, root: Path, size_bytes: int, repeats: int) -> di
         times = []
         if mode == "warm":
             restore_once(method, root, model, optim)  # fill the page cache
+        streams = []
         for _ in range(repeats):
+            if mode == "cold" and method == "torch_load":
+                evict(files)
+                streams.append(stream_read(files[0]))
             if mode == "cold":
                 evict(files)
             start = time.perf_counter()
             restore_once(method, root, model, optim)
             times.append(time.perf_counter() - start)
+        if streams:
+            result["stream_cold_s"] = statistics.median(streams)
         result[f"{mode}_s"] = statistics.median(times)
         result[f"{mode}_gbps"] = nbytes / result[f"{mode}_s"] / 1e9
     result["peak_extra_rss_bytes"] = max(0, status_bytes("VmHWM") - baseline)
@@ -251,7 +269,8 @@ def main() -> None:
         verify = run_child(args, "--verify-child", str(root))
     size = next(iter(results.values()))["state_bytes"]
     report = {"size_bytes": size, "machine": machine(), "repeats": args.repeats,
-              "results": {m: {k: r[k] for k in ("warm_gbps", "cold_gbps", "peak_extra_rss_bytes", "warm_s", "cold_s")}
+              "results": {m: {k: r[k] for k in ("warm_gbps", "cold_gbps", "peak_extra_rss_bytes", "warm_s", "cold_s",
+                                                "stream_cold_s") if k in r}
                           for m, r in results.items()}}
     report["verify"] = verify
     for name, cost in verify.items():

@@ -1,10 +1,12 @@
 """Checks scripts/simulate_scale.py's model against this machine, both sides measured in one run:
 the parameters the model is given (storage read speeds from the raw-read column of a restore
-benchmark run now, one reader stream, filling new memory (alone, and by as many processes at once as
-a recovery's workers), workers forked from a warm process with
-their process-group init and model build, a killed agent seen from its liveness connection, the
-rendezvous settings of the harness) and the figures it predicts (that same restore run's torchrevive, torchsnapshot and
-torch.load columns; a kill and a freeze in a local cluster run now).
+benchmark run now; one reader stream, read beside each of that run's cold torch.loads from the
+same file; torchsnapshot's speed relative to the raw read, on a state a quarter the size; filling
+new memory (alone, and by as many processes at once as a recovery's workers) and writing over
+touched memory; workers forked from a warm process with their process-group init and model
+build; a killed agent seen from its liveness connection; the rendezvous settings of the harness)
+and the figures it predicts (that same restore run's torchrevive, torchsnapshot and torch.load
+columns; a kill and a freeze in a local cluster run now).
 
     python scripts/calibrate_scale.py --json out.json
 
@@ -65,24 +67,20 @@ LIVENESS_PEER = textwrap.dedent("""
 """)
 
 
-def stream_read_gbps(size: int = 1 << 30, repeats: int = 3) -> float:
-    """One reader, one sequential stream, cold: what `torch.load` of one file gets from storage
-    (median of ``repeats``)."""
-    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
-        block = os.urandom(16 << 20)
-        for _ in range(size // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        rates = []
-        for _ in range(repeats):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            with open(f.name, "rb", buffering=0) as reader:
-                while reader.read(16 << 20):
-                    pass
-            rates.append(size / (time.perf_counter() - start) / 1e9)
-        return statistics.median(rates)
+def overwrite_gbps(size: int = 1 << 30, repeats: int = 3) -> float:
+    """Writing over memory already touched (median of ``repeats``): what a warm restore pays to
+    land each byte it copies from the page cache in tensors that exist, beside the raw read's
+    copy into a buffer that stays in the CPU's cache."""
+    import torch
+
+    buffer = torch.empty(size, dtype=torch.uint8)
+    buffer.fill_(0)
+    rates = []
+    for value in range(1, repeats + 1):
+        start = time.perf_counter()
+        buffer.fill_(value)
+        rates.append(size / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
 
 
 def first_touch_gbps(size: int = 1 << 30, processes: int = 1) -> float:
@@ -163,14 +161,22 @@ def liveness_detect_s(monitor_interval: float, repeats: int = 3) -> float:
     return statistics.median(latencies) + monitor_interval / 2
 
 
-def restore_run(size_gb: float, repeats: int) -> dict:
-    """scripts/bench_restore.py now, for the methods the rows compare and the raw read."""
+def restore_run(size_gb: float, repeats: int, methods: str = "torchrevive,torchsnapshot,torch_load,raw_read") -> dict:
+    """scripts/bench_restore.py now, for ``methods`` (by default the ones the rows compare, and
+    the raw read)."""
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "restore.json"
         subprocess.run([sys.executable, str(REPO / "scripts" / "bench_restore.py"), "--size-gb", str(size_gb),
-                        "--repeats", str(repeats), "--methods", "torchrevive,torchsnapshot,torch_load,raw_read",
-                        "--json", str(out)], check=True, cwd=REPO, env=_job_env())
+                        "--repeats", str(repeats), "--methods", methods, "--json", str(out)],
+                       check=True, cwd=REPO, env=_job_env())
         return json.loads(out.read_text())
+
+
+def parallel_efficiency(size_gb: float, repeats: int) -> float:
+    """torchsnapshot's cold restore speed as a fraction of the raw read's, measured on a smaller
+    state (the model's ``parallel_efficiency``, which it scales to the large one)."""
+    results = restore_run(size_gb, repeats, methods="torchsnapshot,raw_read")["results"]
+    return results["torchsnapshot"]["cold_gbps"] / results["raw_read"]["cold_gbps"]
 
 
 def cluster_run(nodes: int, state_mb: float) -> dict:
@@ -189,17 +195,21 @@ def _job_env() -> dict[str, str]:
     return job_env()
 
 
-def restore_rows(bench: dict, stream: float, first_touch: float) -> list[tuple[str, float, float]]:
+def restore_rows(bench: dict, first_touch: float, overwrite: float, efficiency: float) -> list[tuple[str, float, float]]:
+    """torchrevive reads at the raw read's speed (warm, each byte also lands in existing tensors);
+    torchsnapshot at ``efficiency`` of it; torch.load reads one stream (measured beside it on the
+    same file), into new tensors, that load_state_dict copies into the state."""
     results, size = bench["results"], bench["size_bytes"]
     raw_cold, raw_warm = results["raw_read"]["cold_gbps"], results["raw_read"]["warm_gbps"]
+    stream_s = results["torch_load"]["stream_cold_s"]
     gb = size / 1e9
     return [
         (f"restore {gb:.1f} GB, torchrevive, cold", size / (raw_cold * 1e9), results["torchrevive"]["cold_s"]),
-        (f"restore {gb:.1f} GB, torchrevive, warm", size / (raw_warm * 1e9), results["torchrevive"]["warm_s"]),
-        (f"restore {gb:.1f} GB, torchsnapshot, cold", size / (raw_cold * Assumptions.parallel_efficiency * 1e9),
+        (f"restore {gb:.1f} GB, torchrevive, warm", size / (raw_warm * 1e9) + size / (overwrite * 1e9),
+         results["torchrevive"]["warm_s"]),
+        (f"restore {gb:.1f} GB, torchsnapshot, cold", size / (raw_cold * efficiency * 1e9),
          results["torchsnapshot"]["cold_s"]),
-        # torch.load: read one stream into new tensors, then load_state_dict copies into the state.
-        (f"restore {gb:.1f} GB, classic torch.load, cold", size / (stream * 1e9) + size / (first_touch * 1e9)
+        (f"restore {gb:.1f} GB, classic torch.load, cold", stream_s + size / (first_touch * 1e9)
          + size / (raw_warm * 1e9), results["torch_load"]["cold_s"]),
     ]
 
@@ -237,7 +247,8 @@ def main() -> None:
     args = parser.parse_args()
     from local_cluster import width_for
 
-    stream, first_touch = stream_read_gbps(), first_touch_gbps()
+    first_touch, overwrite = first_touch_gbps(), overwrite_gbps()
+    efficiency = parallel_efficiency(args.size_gb / 4, args.repeats)
     bench = restore_run(args.size_gb, args.repeats)
     cluster = cluster_run(args.nodes, args.state_mb)
     # The survivors of the kill start their workers: as many as the cluster has after it.
@@ -246,9 +257,11 @@ def main() -> None:
     detect = liveness_detect_s(monitor_interval=0.1)  # the harness's job.monitor_interval
     raw = bench["results"]["raw_read"]
     parameters = {"raw_read_cold_gbps": raw["cold_gbps"], "raw_read_warm_gbps": raw["warm_gbps"],
-                  "stream_read_gbps": stream, "first_touch_gbps": first_touch,
+                  "stream_read_gbps": bench["size_bytes"] / bench["results"]["torch_load"]["stream_cold_s"] / 1e9,
+                  "first_touch_gbps": first_touch, "overwrite_gbps": overwrite,
+                  "parallel_efficiency": efficiency,
                   "first_touch_concurrent_gbps": fresh_touch, "liveness_detect_s": detect, **start}
-    rows = restore_rows(bench, stream, first_touch) + recovery_rows(cluster, bench, start, detect, fresh_touch)
+    rows = restore_rows(bench, first_touch, overwrite, efficiency) + recovery_rows(cluster, bench, start, detect, fresh_touch)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg_1m_5m_15m": list(os.getloadavg()),
               "rows": [{"what": w, "predicted_s": p, "measured_s": m} for w, p, m in rows],
               "max_rel_error": max(abs(p - m) / m for _, p, m in rows), "parameters": parameters,

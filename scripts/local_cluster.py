@@ -38,7 +38,8 @@ mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its
 
 JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
 "world_size_before", "world_size_after", "restored_step", "restore_source" (memory or storage),
-"bytes_from_storage", "steps_lost" (the step at the fault less the step restored), "stall_s" (the job's
+"bytes_from_storage", "steps_lost" (the step reached when the agents stopped training, at the fault or,
+for a join that waited for a commit, after it, less the step restored), "deferred_s", "stall_s" (the job's
 pause in training: from rank 0's last step before the recovered job's first step to it; for a join,
 whose new node starts while the job trains on, less than recovery_s), "phases":
 {detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"recovery_s", "capped", "cap_s", "stall_s"}}; with several scenarios, "runs" holds
@@ -303,7 +304,9 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 continue
             timeline = cluster.wait_for(lambda ev, t=fault_at: recovery_after(ev, t, failed_at=t), args.timeout,
                                         f"recovery after {scenario}")
-            reached = cluster.step_at(fault_at)
+            # The step training had reached when the agents stopped it (a kill stops it at once,
+            # a join that waited for a commit later).
+            reached = cluster.step_at(fault_at + timeline["phases"]["detect"])
             if reached is not None and timeline["restored_step"] is not None:
                 timeline["steps_lost"] = reached - timeline["restored_step"]
             timeline["stall_s"] = training_gap(read_events(cluster.marks), fault_at)

@@ -37,12 +37,16 @@ def test_steps_recoveries_and_steps_lost_from_the_marks():
     marks = [mark(-5, 1, True, 2), mark(-4, 2, world=2),  # a smaller world before t0: not timed
              mark(0, 1, True), *[mark(t, t + 1) for t in range(1, 12)],  # trained to step 12, killed at 12 s
              mark(15, 11, True, 2), mark(16, 12, world=2), mark(17, 13, world=2),  # restored step 10
+             mark(20, 11, True), mark(21, 12),  # a rejoin at 18 s restarted it from step 10 again
              mark(30, 14, world=2)]  # after the end
-    performed = [(Fault(12, "kill", 1), 1012.0)]
-    result = measure(marks, marks[2], 20, performed)
-    assert (result["steps"], result["recoveries"], result["steps_lost"]) == (13, 1, 2)
-    (recovery,) = result["recovery_details"]
-    assert recovery["cause"] == {"at_s": 12, "action": "kill", "node": 1} and recovery["recovery_s"] == 3.0
+    performed = [(Fault(12, "kill", 1), 1012.0), (Fault(18, "rejoin", 1), 1018.0)]
+    result = measure(marks, marks[2], 25, performed)
+    # 12 - 10 lost at the kill, then 13 - 10 at the rejoin (not 12 - 10 again: what was trained
+    # since the previous restart is what the rejoin threw away).
+    assert (result["steps"], result["recoveries"], result["steps_lost"]) == (13, 2, 2 + 3)
+    kill, rejoin = result["recovery_details"]
+    assert kill["cause"] == {"at_s": 12, "action": "kill", "node": 1} and kill["recovery_s"] == 3.0
+    assert rejoin["step_at_failure"] == 13 and rejoin["recovery_s"] == 2.0
 
 
 def test_bench_goodput_writes_its_contract_and_leaves_no_process(tmp_path):

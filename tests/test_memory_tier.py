@@ -104,6 +104,33 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
         assert torch.allclose(ours[key], theirs[key], rtol=0, atol=1e-5), key
 
 
+def test_a_joining_node_is_admitted_right_after_a_memory_snapshot_and_restarts_from_it(tmp_path):
+    # A memory snapshot every 200 steps (about 2 s here), storage's far apart: the join waits.
+    cluster = local_cluster.Cluster(memory_args(memory_interval=200, interval_steps=5000), tmp_path)
+    try:
+        cluster.start_all(2)
+        cluster.wait_for(lambda ev: len([e for e in ev if e["event"] == "memory_save_committed"]) >= 2, 120,
+                         "two memory snapshots: when the next is due is known")
+        joined_at = time.time()
+        cluster.start(2)
+        recovery = cluster.wait_for(lambda ev: recovery_after(ev, joined_at, failed_at=joined_at), 120, "the join")
+    finally:
+        cluster.stop()
+    events = read_events(tmp_path / "events.jsonl")
+    deferred = sorted((e for e in events if e["event"] == "join_deferred" and e["time"] > joined_at),
+                      key=lambda e: e["time"])
+    first = min((e for e in events if e["event"] == "membership_change" and e["time"] > joined_at),
+                key=lambda e: e["time"])
+    assert deferred and first["cause"] == "node_joined" and first["deferred_s"] > 0
+    newest_before = max(e["step"] for e in events if e["event"] == "memory_save_committed"
+                        and e["time"] <= deferred[0]["time"])
+    # The first survivor to restart did so right after the commit of a snapshot newer than any
+    # when the join was seen, and that is the snapshot the new round restores, from memory.
+    assert first["at_commit"] == recovery["restored_step"] > newest_before
+    assert recovery["restore_source"] == "memory" and recovery["world_size_after"] == 3
+    assert recovery["deferred_s"] == first["deferred_s"]
+
+
 def test_two_buddies_lost_together_restore_from_storage(tmp_path):
     # Node 1's files live on node 1 and its buddy node 2: with both gone, no memory snapshot is whole.
     cluster = local_cluster.Cluster(memory_args(), tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
@@ -134,3 +135,21 @@ def test_the_secret_file_must_be_private_and_long_enough(tmp_path):
     assert len(read_secret(path)) == 32
     with pytest.raises(PeerError, match="missing: cannot read"):
         read_secret(Path(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_a_full_peer_says_so_stores_nothing_and_the_connection_goes_on(served, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    server = PeerFileServer(small, SECRET, host="127.0.0.1")
+    server.round = 4
+    try:
+        with PeerFileClient(server.address, SECRET, round=4) as client:
+            with pytest.raises(PeerError, match="cannot store r4/big: No space left on device"):
+                client.put(served.root / "step_5" / "0" / "shard", "r4/big")  # 3 MB into 1 MB
+            assert client.put(served.root / "step_5" / ".snapshot_metadata", "r4/small") == 2  # still in step
+        assert sorted(p.name for p in small.rglob("*") if p.is_file()) == ["small"]
+    finally:
+        server.close()
+        subprocess.run(["umount", str(small)], check=True)

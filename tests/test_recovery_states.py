@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.agent.server.api import WorkerState
 
+from agent.commit_notice import CommitNotice
 from agent.membership import Change
 from agent.recovery_states import (
     ConfirmLoss,
     Continue,
+    DeferJoin,
     Fail,
     Finish,
     Phase,
@@ -103,6 +105,88 @@ def test_a_joining_node_is_reported_once_the_first_round_is_behind():
     machine.workers_stopped()
     outcome = machine.round_formed(ABC | {"d"}, standby=False)
     assert outcome.joined == {"d"} and outcome.lost == frozenset()
+
+
+JOIN = Change("node_joined", joined=frozenset({"d"}))
+EVERY_10_S = CommitNotice(step=40, tier="memory", at=100.0, previous_at=90.0)  # the next is due at 110
+
+
+def deferring(join_wait_s: float = 30.0, *, at: float = 101.0) -> RecoveryMachine:
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=join_wait_s)
+    machine.round_formed(ABC, standby=False)
+    action = machine.observe(WorkerState.HEALTHY, JOIN, now=at, commit=EVERY_10_S)
+    assert action == DeferJoin(JOIN, due=110.0, until=at + join_wait_s)
+    return machine
+
+
+def test_a_join_waits_for_the_next_commit_and_restarts_from_it():
+    machine = deferring()
+    assert machine.observe(WorkerState.HEALTHY, None, now=105.0, commit=EVERY_10_S) == Continue()
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=106.0, commit=EVERY_10_S) == Continue()  # seen again
+    assert machine.phase == Phase.HEALTHY
+    committed = CommitNotice(step=50, tier="memory", at=110.2, previous_at=100.0)
+    assert machine.observe(WorkerState.HEALTHY, None, now=110.3, commit=committed) == \
+        Recover(JOIN, deferred_s=pytest.approx(9.3), at_commit=50)
+    assert machine.phase == Phase.STOPPING
+
+
+def test_a_commit_made_just_before_this_node_saw_the_join_counts_as_the_joins():
+    # Another node saw the join earlier and restarts at this commit: this one does too, at once.
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0, detection_skew_s=0.5)
+    machine.round_formed(ABC, standby=False)
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=100.3, commit=EVERY_10_S) == \
+        Recover(JOIN, deferred_s=0.0, at_commit=40)
+
+
+def test_a_join_waits_no_longer_than_join_wait():
+    machine = deferring(join_wait_s=12.0)
+    assert machine.observe(WorkerState.HEALTHY, None, now=112.9, commit=EVERY_10_S) == Continue()  # the save is late
+    assert machine.observe(WorkerState.HEALTHY, None, now=113.0, commit=EVERY_10_S) == \
+        Recover(JOIN, deferred_s=pytest.approx(12.0), at_commit=None)
+
+
+@pytest.mark.parametrize("commit, join_wait_s", [
+    (None, 30.0),  # no commit yet: none is known to be due
+    (CommitNotice(step=40, tier="storage", at=100.0, previous_at=None), 30.0),  # one commit: no interval yet
+    (CommitNotice(step=40, tier="storage", at=100.0, previous_at=40.0), 30.0),  # the next is due at 160
+    (EVERY_10_S, 0.0),  # deferral off
+])
+def test_a_join_is_admitted_at_once_when_no_commit_is_due_within_join_wait(commit, join_wait_s):
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=join_wait_s)
+    machine.round_formed(ABC, standby=False)
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=101.0, commit=commit) == Recover(JOIN)
+
+
+@pytest.mark.parametrize("change", [
+    Change("node_joined", joined=frozenset({"c"}), left=frozenset({"c"})),  # a peer's workers are gone
+    Change("node_lost", lost=frozenset({"c"}), joined=frozenset({"d"})),
+])
+def test_a_join_with_a_peer_gone_is_not_deferred(change):
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0)
+    machine.round_formed(ABC, standby=False)
+    assert machine.observe(WorkerState.HEALTHY, change, now=101.0, commit=EVERY_10_S) == Recover(change)
+
+
+def test_a_standby_node_does_not_defer_a_join():
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0)
+    machine.round_formed(ABC, standby=True)
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=101.0, commit=EVERY_10_S) == Recover(JOIN)
+
+
+def test_a_loss_or_a_failure_while_a_join_waits_is_acted_on_at_once():
+    machine = deferring()
+    assert machine.observe(WorkerState.HEALTHY, LOST, now=103.0, commit=EVERY_10_S) == Recover(LOST)
+    machine = deferring()
+    assert machine.observe(WorkerState.FAILED, None, now=103.0, commit=EVERY_10_S) == \
+        Recover(Change("worker_failed", failed_at=103.0), counted=True)
+    machine.workers_stopped()
+    machine.round_formed(ABC | {"d"}, standby=False)  # the next round: nothing deferred is left
+    assert machine.observe(WorkerState.HEALTHY, None, now=200.0, commit=EVERY_10_S) == Continue()
+
+
+def test_the_end_of_the_job_while_a_join_waits_finishes_it():
+    machine = deferring()
+    assert machine.observe(WorkerState.SUCCEEDED, None, now=103.0, commit=EVERY_10_S) == Finish(announce=True)
 
 
 @pytest.mark.parametrize("step", ["observe", "loss_confirmed", "workers_stopped"])

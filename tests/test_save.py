@@ -101,13 +101,16 @@ def ddp_save_and_read_back(rank: int, world_size: int, root: str) -> None:
     ckpt = Checkpointer(root)
     ckpt.save(5, app)
     ckpt.wait()
-    torchsnapshot.Snapshot.take(f"{root}/direct", app)  # what plain torchsnapshot makes of the same state
+    # What plain torchsnapshot makes of the same state, told (as its docs advise for DDP) that the
+    # optimizer's state is replicated too.
+    torchsnapshot.Snapshot.take(f"{root}/direct", app, replicated=["optim/**"])
 
     staged_manifest = torchsnapshot.Snapshot(f"{root}/step_5").get_manifest()
     direct_manifest = torchsnapshot.Snapshot(f"{root}/direct").get_manifest()
     assert {k: (type(v).__name__, getattr(v, "replicated", None)) for k, v in staged_manifest.items()} == \
         {k: (type(v).__name__, getattr(v, "replicated", None)) for k, v in direct_manifest.items()}
     assert staged_manifest["0/model/module.0.weight"].replicated  # DDP state is written once, as torchsnapshot does
+    assert staged_manifest["0/optim/state/0/exp_avg"].replicated  # and so is the state of its optimizer
 
     for read in ("torchrevive", "torchsnapshot"):
         torch.manual_seed(1)
@@ -127,6 +130,21 @@ def ddp_save_and_read_back(rank: int, world_size: int, root: str) -> None:
 
 def test_a_staged_ddp_and_adam_snapshot_reads_back_through_both_restores(tmp_path):
     run_ranks(2, ddp_save_and_read_back, str(tmp_path))
+
+
+def replicated_patterns_of_mixed_state(rank: int, world_size: int) -> None:
+    from agent.checkpoint.compat import replicated_patterns
+
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    local = nn.Linear(4, 4)  # not DDP: its parameters may differ between ranks
+    app = {"model": ddp, "local": local, "optim": torch.optim.Adam(ddp.parameters()),
+           "local_optim": torch.optim.SGD(local.parameters()),
+           "mixed_optim": torch.optim.SGD([*ddp.parameters(), *local.parameters()])}
+    assert sorted(replicated_patterns(app)) == ["model/**", "optim/**"]
+
+
+def test_only_an_optimizer_of_ddp_parameters_alone_is_replicated():
+    run_ranks(1, replicated_patterns_of_mixed_state)
 
 
 COUNTED_SAVE = textwrap.dedent("""

@@ -33,6 +33,7 @@ from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
 from agent.checkpoint.write import write_snapshot
+from agent.commit_notice import write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
 from agent.events import EventLog
@@ -74,6 +75,8 @@ class Checkpointer:
         round: this round's number, the fencing token a commit is checked against (default: the
             one the agent gives the worker; None outside an agent: no fencing).
         memory: the memory tier's saver (see :mod:`agent.memory`); None: storage only.
+        commit_notice: where to tell the node's agent of each committed snapshot
+            (:mod:`agent.commit_notice`); None: nobody is told.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Checkpointer:
         events: EventLog | None = None,
         round: int | None = None,
         memory: MemorySaver | None = None,
+        commit_notice: str | None = None,
     ) -> None:
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
@@ -108,6 +112,7 @@ class Checkpointer:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-save") if staging else None
         self._group: dist.ProcessGroup | None = None
         self.memory = memory
+        self.commit_notice = commit_notice
         self._in_flight: _InFlight | None = None
         self._restored_from: Path | None = None
         self._first_step_pending = False
@@ -133,6 +138,7 @@ class Checkpointer:
             events=EventLog.for_worker(ctx),
             round=ctx.round,
             memory=_memory_saver(ctx, config.checkpoint.memory_interval_steps),
+            commit_notice=_notice_path(ctx),
         )
 
     def latest(self) -> Path | None:
@@ -265,6 +271,8 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"{save.final}: saving step {step} failed ({error}); the partial snapshot was "
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
+        if self.commit_notice:
+            write_notice(self.commit_notice, step=step, tier="storage")
         if rank(group) == 0:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
 
@@ -274,7 +282,12 @@ def _memory_saver(ctx: WorkerContext, interval_steps: int) -> MemorySaver | None
     if not interval_steps or not ctx.memory_dir or ctx.round is None:
         return None
     return MemorySaver(Path(ctx.memory_dir), interval_steps=interval_steps, buddy=ctx.memory_buddy, round=ctx.round,
-                       local_rank=ctx.local_rank, events=EventLog.for_worker(ctx))
+                       local_rank=ctx.local_rank, events=EventLog.for_worker(ctx), commit_notice=_notice_path(ctx))
+
+
+def _notice_path(ctx: WorkerContext) -> str | None:
+    """Where this rank tells its agent of commits: the node's local rank 0 does, for the node."""
+    return ctx.commit_notice if ctx.local_rank == 0 else None
 
 
 @dataclass(frozen=True)

@@ -119,27 +119,44 @@ class _Channel:
 
     def recv_file(self, dest: Path, size: int) -> None:
         """Receive ``size`` bytes into ``dest`` (through a temporary file, renamed once the MAC
-        checks out: a file in place is always whole and authentic)."""
+        checks out: a file in place is always whole and authentic). When this node cannot store
+        them (its tmpfs full), the rest of the payload is still read, so that the connection stays
+        in step for the answer, and the OSError is raised after it."""
         mac = self._mac(self._recv_seq)
         self._recv_seq += 1
-        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.incoming")
+        failure: OSError | None = None
+        fd = -1
         try:
-            with open(tmp, "wb") as f:
-                left = size
-                buffer = bytearray(min(CHUNK_BYTES, max(size, 1)))
-                view = memoryview(buffer)
-                while left:
-                    got = self.sock.recv_into(view[: min(left, len(buffer))])
-                    if not got:
-                        raise PeerError(f"{self.endpoint}: the connection closed {left} bytes before the end of {dest.name}")
-                    mac.update(view[:got])
-                    f.write(view[:got])
-                    left -= got
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            except OSError as exc:
+                failure = exc
+            left = size
+            buffer = bytearray(min(CHUNK_BYTES, max(size, 1)))
+            view = memoryview(buffer)
+            while left:
+                got = self.sock.recv_into(view[: min(left, len(buffer))])
+                if not got:
+                    raise PeerError(f"{self.endpoint}: the connection closed {left} bytes before the end of {dest.name}")
+                mac.update(view[:got])
+                if failure is None:
+                    try:
+                        _write_all(fd, view[:got])
+                    except OSError as exc:
+                        failure = exc
+                left -= got
             if not hmac.compare_digest(self._recv_exactly(MAC_BYTES), mac.digest()):
                 raise PeerError(f"{self.endpoint}: {dest.name} failed its MAC (altered on the way)")
+            if failure is not None:
+                raise failure
+            os.close(fd)
+            fd = -1
             os.replace(tmp, dest)
         finally:
+            if fd >= 0:
+                os.close(fd)
             tmp.unlink(missing_ok=True)
 
     def _recv_exactly(self, size: int) -> bytes:
@@ -150,6 +167,11 @@ class _Channel:
                 raise PeerError(f"{self.endpoint}: the connection closed")
             data += chunk
         return bytes(data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _chunks(f: Any, size: int) -> Iterator[bytes]:
@@ -243,7 +265,12 @@ class PeerFileServer:
                     raise PeerError(f"a put of {size!r} bytes")
                 path = _checked(self.root, request.get("path"))
                 channel.send_header({"ready": True})
-                channel.recv_file(path, size)
+                try:
+                    channel.recv_file(path, size)
+                except OSError as exc:
+                    channel.send_header({"error": f"this node cannot store {request.get('path')}: "
+                                                  f"{exc.strerror or exc}"})
+                    return
                 channel.send_header({"stored": size})
             elif op == "list":
                 directory = _checked(self.root, request.get("path"))

@@ -30,6 +30,7 @@ from agent.checkpoint.commit import agree_and_commit
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import write_snapshot
+from agent.commit_notice import write_notice
 from agent.events import EventLog
 from agent.memory.layout import KEY_FILE, MemorySnapshot, discard, prune
 from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_key
@@ -46,14 +47,15 @@ class MemorySaver:
         round: this round's number (a buddy of another round refuses the files).
         local_rank: the node's local rank 0 prunes the node's older snapshots.
         events: where ``memory_save_committed`` / ``memory_save_failed`` go.
+        commit_notice: where to tell the node's agent of each commit (:mod:`agent.commit_notice`).
     """
 
     def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
-                 events: EventLog) -> None:
+                 events: EventLog, commit_notice: str | None = None) -> None:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
         self._buddy = parse_address(buddy) if buddy else None
         self._secret = read_key(self.root / KEY_FILE) if buddy else b""
-        self._local_rank, self.events = local_rank, events
+        self._local_rank, self.events, self._commit_notice = local_rank, events, commit_notice
         self._stager = Stager()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory")
         self._group: dist.ProcessGroup | None = None
@@ -111,6 +113,8 @@ class MemorySaver:
             return
         if self._local_rank == 0:
             prune(self.root, snapshot)
+        if self._commit_notice:
+            write_notice(self._commit_notice, step=step, tier="memory")
         if rank(group) == 0:
             self.events.record("memory_save_committed", step=step, snapshot=str(path),
                                seconds=time.perf_counter() - started, bytes=committed_bytes)
