@@ -182,7 +182,9 @@ class RecoveryAgent(LocalElasticAgent):
             state = self._worker_group.state = result.state
             self._metrics.set_remaining_restarts(self._remaining_restarts)
             change = None if state == WorkerState.SUCCEEDED else self._membership_change(state == WorkerState.HEALTHY)
-            action = self._machine.observe(state, change, now=time.time(), commit=read_notice(self._commit_notice))
+            # The notice matters only to a join, seen now or waiting: no read on every other pass.
+            commit = read_notice(self._commit_notice) if change is not None or self._machine.deferring else None
+            action = self._machine.observe(state, change, now=time.time(), commit=commit)
             if isinstance(action, DeferJoin):
                 self.events.record("join_deferred", joined=sorted(action.change.joined), due_in_s=action.due - time.time(),
                                    until_s=action.until - time.time())

@@ -135,6 +135,11 @@ class RecoveryMachine:
         self._restart_counted = False
         self._participants: frozenset[str] = frozenset()
 
+    @property
+    def deferring(self) -> bool:
+        """A join waits for a commit: :meth:`observe` needs the latest commit notice."""
+        return self._deferred is not None
+
     def round_formed(self, participants: frozenset[str], *, standby: bool) -> RoundOutcome:
         """A rendezvous completed with ``participants``; this node trains or stands by."""
         self._expect(Phase.RENDEZVOUS)
@@ -162,9 +167,10 @@ class RecoveryMachine:
             due = self._commit_due(change, now, commit) if workers == WorkerState.HEALTHY else None
             if due is None:
                 return self._recover(change)
-            self._deferred = (change, now, now + self.join_wait_s)
-            action = self._deferred_join(now, commit)
-            return action if isinstance(action, Recover) else DeferJoin(change, due=due, until=now + self.join_wait_s)
+            until = now + self.join_wait_s
+            self._deferred = (change, now, until)
+            action = self._deferred_join(now, commit)  # a commit made just before counts
+            return action if isinstance(action, Recover) else DeferJoin(change, due=due, until=until)
         if workers == WorkerState.HEALTHY:
             return self._deferred_join(now, commit)
         if self.remaining_restarts <= 0 and self._watches_membership:

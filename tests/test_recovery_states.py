@@ -123,11 +123,11 @@ def test_a_join_waits_for_the_next_commit_and_restarts_from_it():
     machine = deferring()
     assert machine.observe(WorkerState.HEALTHY, None, now=105.0, commit=EVERY_10_S) == Continue()
     assert machine.observe(WorkerState.HEALTHY, JOIN, now=106.0, commit=EVERY_10_S) == Continue()  # seen again
-    assert machine.phase == Phase.HEALTHY
+    assert machine.phase == Phase.HEALTHY and machine.deferring  # the agent reads the notice on each pass
     committed = CommitNotice(step=50, tier="memory", at=110.2, previous_at=100.0)
     assert machine.observe(WorkerState.HEALTHY, None, now=110.3, commit=committed) == \
         Recover(JOIN, deferred_s=pytest.approx(9.3), at_commit=50)
-    assert machine.phase == Phase.STOPPING
+    assert machine.phase == Phase.STOPPING and not machine.deferring
 
 
 def test_a_commit_made_just_before_this_node_saw_the_join_counts_as_the_joins():
