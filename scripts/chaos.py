@@ -60,13 +60,16 @@ class Soak:
     started: float = field(default_factory=time.time)
 
     def wait(self, predicate: Callable[[list[dict]], Any], what: str) -> Any:
-        """cluster.wait_for, but JobEnded as soon as node 0's agent exits."""
+        """cluster.wait_for, but JobEnded once node 0's agent exited and ``predicate`` still fails
+        (a short job may finish within one poll of the event it waited for)."""
         node0 = self.cluster.nodes[0]
 
         def done(events: list[dict]) -> Any:
-            if node0.poll() is not None:
+            ended = node0.poll() is not None
+            found = predicate(events)
+            if not found and ended:
                 raise JobEnded(what)
-            return predicate(events)
+            return found
 
         return self.cluster.wait_for(done, self.args.timeout, what)
 

@@ -41,9 +41,11 @@ def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
         assert set(chaos_report["invariants"]) >= {"final_model_matches_reference", "snapshots_verify",
                                                    "no_stale_commit", "no_step_trained_twice"}
         assert chaos_report["ok"] and chaos_report["seed"] == SEED and done.returncode == 0
-        # Both tiers served: restores from the nodes' RAM and from storage.
+        # The nodes' RAM served restores. Whether the second kill of kill-during-restore leaves a
+        # memory snapshot whole on node 0 (one of an earlier round can be) is a race, so storage may
+        # or may not serve one here; tests/test_memory_tier.py forces that fallback.
         sources = {e["source"] for e in read_events(work / "events.jsonl") if e["event"] == "restore_done"}
-        assert sources == {"memory", "storage"}, sources
+        assert "memory" in sources and sources <= {"memory", "storage"}, sources
         the_checks_see_damage(work, chaos_report["details"]["lineage"])
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -126,12 +126,11 @@ def test_standby_nodes_keep_the_world_size_a_multiple(tmp_path):
     try:
         for index in range(3):
             cluster.start(index)
-        first = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a snapshot")
-        rounds = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "rendezvous_done"
-                  and e["time"] <= first[0]["time"]]
-        last_round = max(e["round"] for e in rounds)
-        standby = [e["node"] for e in rounds if e["round"] == last_round and e["standby"]]
-        assert len(standby) == 1 and {e["world_size"] for e in rounds if e["round"] == last_round} == {2, 0}
+        # The first round may form with two nodes before the third arrives; the third then joins
+        # at a later round, as the standby one. Wait for a round of all three that has trained.
+        current = cluster.wait_for(_round_of_three_that_trained, 120, "a round of three nodes and a snapshot")
+        standby = [e["node"] for e in current if e["standby"]]
+        assert len(standby) == 1 and {e["world_size"] for e in current} == {2, 0}
         active = next(i for i, proc in cluster.nodes.items() if i != 0 and f"_{proc.pid}_" not in standby[0])
         killed_at = time.time()
         cluster.signal(active, signal.SIGKILL)
@@ -154,3 +153,15 @@ def test_a_finished_job_ends_its_standby_node_too(tmp_path):
     finally:
         cluster.stop()
     assert any(e["event"] == "standby" for e in read_events(tmp_path / "events.jsonl"))
+
+
+def _round_of_three_that_trained(events: list[dict]) -> list[dict] | None:
+    """The latest round's rendezvous_done records, once three nodes are in it and a snapshot was
+    committed after it formed."""
+    rounds = [e for e in events if e["event"] == "rendezvous_done"]
+    if not rounds:
+        return None
+    current = [e for e in rounds if e["round"] == max(r["round"] for r in rounds)]
+    formed = max(e["time"] for e in current)
+    trained = any(e["event"] == "save_committed" and e["time"] > formed for e in events)
+    return current if len(current) == 3 and trained else None
