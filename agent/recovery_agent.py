@@ -52,6 +52,7 @@ from agent.errors import RestoreError
 from agent.events import EventLog, Metrics
 from agent.liveness import PeerLiveness
 from agent.membership import Change, MembershipWatch
+from agent.memory.layout import MemorySnapshot
 from agent.memory.tier import MemoryChoice, MemoryTier
 from agent.recovery_states import ConfirmLoss, DeferJoin, Fail, Finish, Recover, RecoveryMachine
 from agent.rendezvous.prompt import PromptOpExecutor
@@ -230,12 +231,28 @@ class RecoveryAgent(LocalElasticAgent):
                            world_size=self._prev_world_size, deferred_s=action.deferred_s, at_commit=action.at_commit)
         self._metrics.count_recovery(change.cause)
         self._prefetch_stop.set()
+        self._pull_ahead()
         started = time.monotonic()
         self._stop_workers(self._worker_group)
         self._worker_group.state = WorkerState.STOPPED
         self.events.record("workers_stopped", seconds=time.monotonic() - started)
         self._machine.workers_stopped()
         self._initialize_workers(self._worker_group)
+
+    def _pull_ahead(self) -> None:
+        """With the memory tier, start pulling the newest memory snapshot's files this node's ranks
+        lack from the live peers, while the workers stop and the rendezvous runs: whatever ended
+        the round, the next one restores that snapshot when it is whole and newest."""
+        group = self._worker_group
+        if self._memory is None or self._round is None or self._standby or not group.workers:
+            return
+
+        def pulled(snapshot: MemorySnapshot | None, nbytes: int, seconds: float) -> None:
+            self.events.record("memory_pull_ahead_done", snapshot=snapshot.relative if snapshot else None,
+                               step=snapshot.step if snapshot else None, bytes=nbytes, seconds=seconds)
+
+        self._memory.pull_ahead(group.store, self._round, group.group_rank, self._nodes_used,
+                                [w.global_rank for w in group.workers], group.workers[0].world_size, pulled)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if not self._standby:

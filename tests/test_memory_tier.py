@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,8 +96,13 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
     newest_in_memory = max(e["step"] for e in before if e["event"] == "memory_save_committed")
     # The newest memory snapshot (or one committed as the node died), newer than storage's.
     assert recovery["restored_step"] >= newest_in_memory > newest_in_storage
+    # Each survivor pulled what its rank lacked while the rendezvous ran (the replicated model and
+    # optimizer partitions of the lost node), then its round's fetch found little or nothing left.
+    ahead = [e for e in events if e["event"] == "memory_pull_ahead_done"]
+    assert len(ahead) == 2 and all(e["bytes"] > 0 for e in ahead), ahead
+    assert recovery["restored_step"] in {e["step"] for e in ahead}
     fetched = [e for e in events if e["event"] == "memory_fetch_done"]
-    assert len(fetched) == 2 and sum(e["bytes"] for e in fetched) > 0  # each survivor pulled what it lacked
+    assert len(fetched) == 2
     reference = chaos.reference_run(tmp_path / "reference", STEPS, cluster.width)
     ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", cluster.width)
     theirs = chaos.final_model(reference / f"step_{STEPS}", cluster.width)
@@ -255,3 +261,56 @@ def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_en
         for tier in tiers:
             tier.close()
     assert all(not any(tier.root.iterdir()) for tier in tiers)
+
+
+def test_a_pull_ahead_takes_what_a_node_lacks_from_live_peers_of_its_round_only(tmp_path):
+    """A node that saw a loss pulls the newest snapshot its peers hold while the rendezvous runs:
+    from the peer that holds it, past a frozen peer (connects, never answers), and nothing once
+    the peers have moved on to the next round."""
+    import socket
+    import threading
+
+    from agent.checkpoint import Checkpointer
+    from agent.checkpoint.dirs import committed_snapshots
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(5, {"model": torch.nn.Linear(600, 500)})
+    ckpt.wait()
+    [(_, written)] = committed_snapshots(tmp_path / "ckpt")
+    files = sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
+    frozen = socket.create_server(("127.0.0.1", 0))  # accepts into its backlog, never answers
+    store = dist.PrefixStore("torch.rendezvous.job.4", dist.HashStore())
+    store.set("torchrevive/memory/4/address/2", "127.0.0.1:%d" % frozen.getsockname()[1])
+    tiers = [MemoryTier(tmp_path / f"node{g}", host="127.0.0.1", secret_file=None) for g in (0, 1)]
+    try:
+        tiers[1].start_round(store, 4, 1, 3)
+        tiers[0].start_round(store, 4, 0, 3)
+        shutil.copytree(written, tiers[1].root / "r4" / "step_5")  # the peer holds all of it
+        mine = tiers[0].root / "r4" / "step_5"
+        mine.mkdir(parents=True)
+        kept = max(files, key=lambda f: (written / f).stat().st_size)  # this node holds one file of its own
+        (mine / kept).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(written / kept, mine / kept)
+
+        def pull_ahead() -> tuple:
+            done, outcome = threading.Event(), []
+            tiers[0].pull_ahead(store, 4, 0, 3, [0], 1, lambda *result: (outcome.extend(result), done.set()))
+            assert done.wait(20), "the pull ahead hung on the frozen peer"
+            return tuple(outcome)
+
+        snapshot, pulled, _ = pull_ahead()
+        assert snapshot == MemorySnapshot(4, 5)
+        assert pulled == sum((written / f).stat().st_size for f in files if f != kept)
+        for f in files:
+            assert (mine / f).read_bytes() == (written / f).read_bytes(), f
+        shutil.rmtree(mine)
+        mine.mkdir()
+        (mine / kept).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(written / kept, mine / kept)
+        tiers[1]._server.round = 5  # the peer moved on: it answers no request of round 4
+        assert pull_ahead()[:2] == (None, 0)
+        assert sorted(p.relative_to(mine) for p in mine.rglob("*") if p.is_file()) == [kept]
+    finally:
+        frozen.close()
+        for tier in tiers:
+            tier.close()

@@ -5,8 +5,10 @@ A peer is hostile until it proves the job's secret. Each connection opens with a
 challenge: both sides send a random nonce and answer the other's with HMAC-SHA256 over it, so a
 server reads or writes nothing for a client without the secret, and a client takes no bytes from
 a server without it. Both derive a session key from the two nonces; every header and every
-payload that follows carries an HMAC under that key and a sequence number, so nothing can be
-altered, replayed or reordered on the way. Headers are length-prefixed JSON, never pickles.
+payload that follows carries a MAC under that key and a sequence number, so nothing can be
+altered, replayed or reordered on the way. That MAC is keyed BLAKE3, not HMAC-SHA256: payloads
+are snapshots of hundreds of MB pulled while a job is down, and it hashes 2.6x faster
+(scripts/bench_peer_files.py). Headers are length-prefixed JSON, never pickles.
 
 A request names its round, and a server answers only requests of the round it is in: a node
 frozen and thawed after the others moved on neither serves nor accepts stale files. Paths are
@@ -18,20 +20,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import secrets
 import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import blake3
 
 from agent.errors import TorchreviveError
 from agent.restore.locations import check_locations
 
-MAGIC = b"TRV-PEER-1"
+MAGIC = b"TRV-PEER-2"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_HEADER_BYTES = 1 << 16
@@ -82,8 +86,8 @@ class _Channel:
 
     # -- framing ----------------------------------------------------------------------------------
 
-    def _mac(self, seq: int) -> hmac.HMAC:
-        return hmac.new(self._key, struct.pack(">Q", seq), "sha256")
+    def _mac(self, seq: int) -> blake3.blake3:
+        return blake3.blake3(struct.pack(">Q", seq), key=self._key)
 
     def send_header(self, header: dict[str, Any]) -> None:
         body = json.dumps(header).encode()
@@ -112,9 +116,14 @@ class _Channel:
         mac = self._mac(self._send_seq)
         self._send_seq += 1
         with open(path, "rb") as f:
-            for chunk in _chunks(f, size):
-                mac.update(chunk)
-                self.sock.sendall(chunk)
+            if os.fstat(f.fileno()).st_size < size:
+                raise PeerError(f"{path}: shorter than the {size} bytes announced")
+            if size:  # mapped, not read: the bytes go from the page cache to the socket uncopied
+                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+                    for start in range(0, size, CHUNK_BYTES):
+                        with view[start:start + CHUNK_BYTES] as chunk:
+                            mac.update(chunk)
+                            self.sock.sendall(chunk)
         self.sock.sendall(mac.digest())
 
     def recv_file(self, dest: Path, size: int) -> None:
@@ -172,16 +181,6 @@ class _Channel:
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         data = data[os.write(fd, data):]
-
-
-def _chunks(f: Any, size: int) -> Iterator[bytes]:
-    left = size
-    while left:
-        chunk = f.read(min(CHUNK_BYTES, left))
-        if not chunk:
-            raise PeerError(f"{f.name}: shorter than the {size} bytes announced")
-        left -= len(chunk)
-        yield chunk
 
 
 def _checked(root: Path, path: object) -> Path:

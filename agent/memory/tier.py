@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from torch.distributed.elastic.rendezvous import RendezvousError
+
 from agent.checkpoint.checksums import CHECKSUMS_FILE
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.errors import RestoreError
-from agent.memory.layout import KEY_FILE, MemorySnapshot, inventory, mark_fetched
+from agent.memory.layout import FETCHED_FILE, KEY_FILE, MemorySnapshot, inventory, mark_fetched, snapshots
 from agent.memory.peer_files import (
     PeerError,
     PeerFileClient,
@@ -38,6 +40,8 @@ from agent.memory.peer_files import (
 )
 
 _PREFIX = "torchrevive/memory"
+PEER_LIST_TIMEOUT_S = 1.0
+"""How long a pull ahead waits for a peer's answer: a frozen peer is skipped after it."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class MemoryTier:
         self._secret = b""
         """The data plane's key (32 bytes) this agent serves and pulls with."""
         self._shared_hex = ""
+        self._ahead: threading.Thread | None = None
+        """The pull ahead of a round's fetch (:meth:`pull_ahead`), if one was started."""
+        self._ahead_stop = threading.Event()
 
     def close(self) -> None:
         """Stop serving and free the node's RAM: the memory directory's contents go."""
@@ -108,6 +115,75 @@ class MemoryTier:
         held = {g: json.loads(store.get(f"{_PREFIX}/{round}/inventory/{g}")) for g in range(active_nodes)}
         return newest_complete(held)
 
+    def pull_ahead(self, store: Any, round: int, group_rank: int, active_nodes: int, ranks: list[int],
+                   world_size: int, on_done: Callable[[MemorySnapshot | None, int, float], None]) -> None:
+        """The round ends: pull, in the background while the rendezvous runs, the files of the
+        newest memory snapshot that this node and its live peers of ``round`` hold together and
+        that this node's ``ranks`` (of ``world_size``) read and it lacks. The bulk of them is
+        replicated state, which every rank reads at any world size; the round's fetch
+        (:meth:`start_fetch`) pulls what is left. Peers answer only while they are still in
+        ``round``; ``on_done(snapshot, bytes, seconds)`` at the end (snapshot None: nothing whole)."""
+        self._ahead_stop.set()
+        keys = {g: f"{_PREFIX}/{round}/address/{g}" for g in range(active_nodes) if g != group_rank}
+        try:  # a peer that died before publishing its address never will: no blocking get
+            addresses = {g: parse_address(store.get(key).decode()) for g, key in keys.items() if store.check([key])}
+        except (RuntimeError, ValueError, RendezvousError):
+            return  # the store is gone too (its host was lost): the round's rendezvous will tell
+        self._ahead_stop = stop = threading.Event()
+        self._ahead = threading.Thread(target=self._pull_ahead,
+                                       args=(round, group_rank, addresses, ranks, world_size, stop, on_done),
+                                       name="torchrevive-memory-pull-ahead", daemon=True)
+        self._ahead.start()
+
+    def _pull_ahead(self, round: int, group_rank: int, addresses: dict[int, tuple[str, int]], ranks: list[int],
+                    world_size: int, stop: threading.Event,
+                    on_done: Callable[[MemorySnapshot | None, int, float], None]) -> None:
+        from torchsnapshot.snapshot import SNAPSHOT_METADATA_FNAME
+
+        from agent.prefetch import files_read
+
+        started, pulled, choice = time.monotonic(), 0, None
+        try:
+            candidates = [s.relative for s in reversed(snapshots(self.root))]
+            held = self._list_peers(round, addresses, candidates)
+            for relative in candidates:  # a committed one's record, from a peer that vouches for it
+                voucher = next((g for g, entries in sorted(held.items())
+                                if {CHECKSUMS_FILE, COMMIT_MARKER} <= entries.get(relative, {}).get("files", {}).keys()), None)
+                if voucher is not None:
+                    records = {name: voucher for name in (SNAPSHOT_METADATA_FNAME, CHECKSUMS_FILE, COMMIT_MARKER)}
+                    pulled += self._pull(self.root / relative, round, MemoryChoice(MemorySnapshot.parse(relative), records),
+                                         addresses, list(records))
+            choice = newest_complete({**held, group_rank: inventory(self.root)})
+            if choice is not None and not stop.is_set():
+                local = self.root / choice.snapshot.relative
+                pulled += self._pull(local, round, choice, addresses, sorted(files_read(local, ranks, world_size)),
+                                     stop=stop)
+        except (OSError, RestoreError, PeerError, ValueError):
+            pass  # what is missing, the round's fetch pulls
+        finally:
+            on_done(choice.snapshot if choice else None, pulled, time.monotonic() - started)
+
+    def _list_peers(self, round: int, addresses: dict[int, tuple[str, int]],
+                    candidates: list[str]) -> dict[int, dict[str, dict]]:
+        """What each reachable peer of ``round`` holds of the ``candidates`` snapshots (as in an
+        inventory, without the checksum records). A lost peer refuses or, frozen, says nothing
+        within a second: it holds nothing."""
+        def listed(item: tuple[int, tuple[str, int]]) -> tuple[int, dict[str, dict]]:
+            group, address = item
+            entries: dict[str, dict] = {}
+            try:
+                with PeerFileClient(address, self._secret, round=round, timeout=PEER_LIST_TIMEOUT_S) as client:
+                    for relative in candidates:
+                        files = client.list(relative)
+                        entries[relative] = {"files": {name: size for name, size in files.items()
+                                                       if safe_name(name) and not name.startswith(FETCHED_FILE)}}
+            except (PeerError, OSError):
+                pass  # unreachable, or moved on to the next round: what it listed so far stands
+            return group, entries
+
+        with ThreadPoolExecutor(max_workers=max(1, len(addresses))) as pool:
+            return dict(pool.map(listed, addresses.items()))
+
     def start_fetch(self, store: Any, round: int, choice: MemoryChoice, ranks: list[int], world_size: int,
                     on_done: Callable[[int, float], None]) -> None:
         """Pull, in the background while the workers start, the files of ``choice`` that this
@@ -128,6 +204,9 @@ class MemoryTier:
 
         from agent.prefetch import files_read
 
+        if self._ahead is not None:  # what it pulls now is still pulled; then this fetch takes over
+            self._ahead_stop.set()
+            self._ahead.join()
         started, pulled = time.monotonic(), 0
         try:
             records = [name for name in (SNAPSHOT_METADATA_FNAME, CHECKSUMS_FILE, COMMIT_MARKER) if name in choice.holders]
@@ -141,8 +220,9 @@ class MemoryTier:
             on_done(pulled, seconds)
 
     def _pull(self, local: Path, round: int, choice: MemoryChoice, addresses: dict[int, tuple[str, int]],
-              names: list[str]) -> int:
-        """Pull the ``names`` not here yet, from each holder in parallel; the bytes pulled."""
+              names: list[str], *, stop: threading.Event | None = None) -> int:
+        """Pull the ``names`` not here yet, from each holder in parallel; the bytes pulled. Once
+        ``stop`` is set, no further file is started."""
         by_holder: dict[int, list[str]] = {}
         for name in names:
             if name in choice.holders and safe_name(name) and not (local / name).is_file():
@@ -153,6 +233,8 @@ class MemoryTier:
             try:
                 with PeerFileClient(addresses[holder], self._secret, round=round) as client:
                     for name in wanted:
+                        if stop is not None and stop.is_set():
+                            break
                         pulled += client.get(f"{choice.snapshot.relative}/{name}", local / name)
             except (PeerError, OSError):
                 pass  # left missing: see start_fetch
