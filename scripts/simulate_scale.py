@@ -12,16 +12,31 @@
 
     python scripts/simulate_scale.py --gpus 512 --size-tb 1 --json out.json
 
+Beside the time to the first step, each approach's goodput under failures: the share of wall-clock
+time that trains, with one failure every ``--mtbf-s`` (an hour) and storage snapshots every
+``--checkpoint-interval-s`` for every approach. A failure costs the recovery plus the work since
+the newest committed snapshot (half an interval, plus the snapshot's commit latency, on average);
+saving costs the time training waits for each save, all the time:
+
+  classic      saves synchronously (every rank writes its shard; training waits until written);
+  parallel     torchsnapshot's async_take (training waits while it stages, then it writes);
+  torchrevive  staged saves (a copy into reused pinned buffers), committed once durable;
+  torchrevive_memory  the same, plus a memory snapshot every ``--memory-interval-s`` in the nodes'
+               RAM with a replica on a buddy node; a recovery pulls its share from the peers.
+
 Every figure the model uses is an assumption printed with the result (override with flags);
-scripts/calibrate_scale.py checks the same model against what this machine measures.
-JSON: {"assumptions": {...}, "approaches": {NAME: {"total_s", "phases": {PHASE: s}, "bound_by"}}}.
+``--control-plane PATH`` takes torchrevive's round time after a detected loss from
+bench_control_plane.py's etcd3 results (a line through them, by node count) instead of
+``--rendezvous-s``; scripts/calibrate_scale.py checks the recovery model against this machine.
+JSON: {"assumptions": {...}, "approaches": {NAME: {"total_s", "phases": {PHASE: s}, "bound_by",
+"goodput", "lost_work_s", "save_overhead"}}}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 PHASES = ("detect", "rendezvous", "workers_start", "restore", "first_step")
@@ -86,6 +101,22 @@ class Assumptions:
     """kill (peers see connection errors) or hang (peers block in a collective)."""
     collective_timeout_s: float = 1800.0
     """torch's default process-group timeout: how long a hang blocks the survivors under torchrun."""
+    round_after_loss_s: float | None = None
+    """torchrevive's round once a loss is seen, all included; None: ``rejoin_polls`` state reads
+    plus ``rendezvous_s``. ``--control-plane`` sets it from bench_control_plane.py's results."""
+    mtbf_s: float = 3600.0
+    """Mean time between failures of the job: one node lost an hour."""
+    checkpoint_interval_s: float = 1800.0
+    """Storage snapshots, for every approach: one every 30 minutes."""
+    storage_write_gbps: float = 100.0
+    """Parallel filesystem aggregate write bandwidth."""
+    staging_gbps: float = 20.0
+    """A GPU's copy of its state into pinned host memory (device to host)."""
+    torchsnapshot_staging_factor: float = 16.9
+    """How much longer torchsnapshot's async_take keeps training waiting than a staging copy:
+    measured here, 2.55 s against torchrevive's staged 0.151 s for 2 GB (bench_save.py)."""
+    memory_interval_s: float = 60.0
+    """torchrevive's memory tier: a snapshot in the nodes' RAM, replicated on a buddy, this often."""
 
     @property
     def nodes(self) -> int:
@@ -123,6 +154,25 @@ def torchrevive_worker_start_s(a: Assumptions) -> float:
     return a.warm_fork_s + a.process_group_init_s + a.model_build_s
 
 
+def node_restore_bytes(a: Assumptions) -> tuple[float, float]:
+    """What each surviving node restores for its ranks with torchrevive, and the seconds the
+    replicated stripes' exchange takes (0 when every rank reads replicated state whole)."""
+    nodes = a.nodes - 1
+    sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
+    replicated = a.size_bytes * a.replicated_fraction
+    if a.stripe_replicated:  # read once per cluster, a stripe per node, then exchanged
+        return sharded + replicated / nodes, replicated / (a.nic_gbps * 1e9)
+    return sharded + replicated * a.gpus_per_node, 0.0  # every rank reads it whole
+
+
+def fetched_while_workers_start(own: float, fetch_s: float, workers_start_s: float, a: Assumptions) -> float:
+    """The restore after the workers started: the node's agent fetched its ``own`` bytes into
+    local memory (``fetch_s`` for all of them) while they started; the ranks copy what arrived
+    and wait for the rest."""
+    fetched = min(fetch_s, workers_start_s)
+    return fetch_s - fetched + own * (fetched / fetch_s if fetch_s else 0) / (a.memory_gbps * 1e9)
+
+
 def torchrevive(a: Assumptions) -> dict[str, float]:
     # A killed agent's connections close at once and it is dropped from the round for every node.
     # A hung one is found when its last heartbeat, on average half an interval before it hung, is
@@ -130,58 +180,134 @@ def torchrevive(a: Assumptions) -> dict[str, float]:
     # average). Then the round takes a few polls of the state.
     heartbeat_lapse = a.keep_alive_s * a.keep_alive_attempts - a.keep_alive_s / 2
     detect = heartbeat_lapse + a.keep_alive_s / 8 if a.failure == "hang" else a.liveness_detect_s
-    rendezvous = a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
+    rendezvous = a.round_after_loss_s
+    if rendezvous is None:
+        rendezvous = a.rejoin_polls * a.keep_alive_s / 10 + a.rendezvous_s
     workers_start = torchrevive_worker_start_s(a)
-    nodes = a.nodes - 1
-    sharded = a.size_bytes * (1 - a.replicated_fraction) / nodes
-    replicated = a.size_bytes * a.replicated_fraction
-    if a.stripe_replicated:  # read once per cluster, a stripe per node, then exchanged
-        own, exchange = sharded + replicated / nodes, replicated / (a.nic_gbps * 1e9)
-    else:  # every rank reads it whole
-        own, exchange = sharded + replicated * a.gpus_per_node, 0.0
-    read = read_s(own, a, a.torchrevive_efficiency, nodes)
-    # The agent prefetches the node's share while the workers start; the restore then copies from
-    # the page cache what arrived and reads the rest.
-    prefetched = min(read, workers_start)
-    copy = own * (prefetched / read if read else 0) / (a.memory_gbps * 1e9)
-    restore = read - prefetched + copy + exchange
+    own, exchange = node_restore_bytes(a)
+    # The agent prefetches the node's share from storage into the page cache while the workers start.
+    read = read_s(own, a, a.torchrevive_efficiency, a.nodes - 1)
+    restore = fetched_while_workers_start(own, read, workers_start, a) + exchange
     return {"detect": detect, "rendezvous": rendezvous, "workers_start": workers_start, "restore": restore,
             "first_step": a.first_step_s}
 
 
-APPROACHES = {"classic": classic, "parallel": parallel, "torchrevive": torchrevive}
+def torchrevive_memory(a: Assumptions) -> dict[str, float]:
+    """torchrevive restoring the newest memory snapshot: each node's agent pulls the bytes its
+    ranks read from the peers' RAM over the network (all of them, at worst: resharded to one node
+    fewer, a node's new share lies mostly on others) while the workers start."""
+    phases = torchrevive(a)
+    own, exchange = node_restore_bytes(a)
+    pull = own / (a.nic_gbps * 1e9)
+    phases["restore"] = fetched_while_workers_start(own, pull, phases["workers_start"], a) + exchange
+    return phases
+
+
+APPROACHES = {"classic": classic, "parallel": parallel, "torchrevive": torchrevive,
+              "torchrevive_memory": torchrevive_memory}
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One way an approach snapshots: how often, how long training waits for each snapshot, and
+    how long after its step a snapshot is committed (restorable)."""
+
+    interval_s: float
+    blocking_s: float
+    commit_s: float
+
+
+def storage_write_s(a: Assumptions) -> float:
+    """Every node writing its share of the state: bound by the client or the aggregate."""
+    per_node_gbps = min(a.client_gbps, a.storage_write_gbps / a.nodes)
+    return a.size_bytes / a.nodes / (per_node_gbps * 1e9)
+
+
+def tiers(approach: str, a: Assumptions) -> list[Tier]:
+    """How ``approach`` snapshots (see the module's docstring)."""
+    write = storage_write_s(a)
+    stage = a.size_bytes / a.gpus / (a.staging_gbps * 1e9)
+    if approach == "classic":
+        return [Tier(a.checkpoint_interval_s, write, write)]
+    if approach == "parallel":
+        stage *= a.torchsnapshot_staging_factor
+    storage = Tier(a.checkpoint_interval_s, stage, stage + write)
+    if approach != "torchrevive_memory":
+        return [storage]
+    node_share = a.size_bytes / a.nodes  # written to the node's tmpfs and sent to its buddy
+    memory_commit = stage + node_share / (a.memory_gbps * 1e9) + node_share / (a.nic_gbps * 1e9)
+    return [storage, Tier(a.memory_interval_s, stage, memory_commit)]
+
+
+def goodput(recovery_s: float, snapshot_tiers: list[Tier], a: Assumptions) -> dict[str, float]:
+    """The share of wall-clock time that trains: saving takes its blocking share all the time, and
+    each failure (one per ``mtbf_s``, at a random moment) costs the recovery plus the work since the
+    newest committed snapshot (half an interval plus its commit latency, on average)."""
+    lost = min(t.interval_s / 2 + t.commit_s for t in snapshot_tiers)
+    overhead = sum(t.blocking_s / t.interval_s for t in snapshot_tiers)
+    trains = (1 - overhead) * (1 - (recovery_s + lost) / a.mtbf_s)
+    return {"goodput": max(0.0, trains), "lost_work_s": lost, "save_overhead": overhead}
 
 
 def simulate(a: Assumptions) -> dict:
     approaches = {}
     for name, model in APPROACHES.items():
         phases = model(a)
-        approaches[name] = {"total_s": sum(phases.values()), "phases": phases,
-                            "bound_by": max(phases, key=phases.get)}
+        total = sum(phases.values())
+        approaches[name] = {"total_s": total, "phases": phases, "bound_by": max(phases, key=phases.get),
+                            **goodput(total, tiers(name, a), a)}
     return {"assumptions": {**asdict(a), "nodes": a.nodes}, "approaches": approaches}
+
+
+def round_after_loss(path: Path, nodes: int) -> dict[str, float]:
+    """torchrevive's round after a detected loss at ``nodes`` nodes, from bench_control_plane.py's
+    etcd3 results (re-rendezvous minus the last detection, per node count): a least-squares line,
+    evaluated at ``nodes``."""
+    results = json.loads(path.read_text())["results"].get("etcd3", {})
+    points = sorted((int(n), r["rerendezvous_s"] - r["detect_s"]) for n, r in results.items()
+                    if r.get("rerendezvous_s") is not None and r.get("detect_s") is not None)
+    if len(points) < 2:
+        raise ValueError(f"{path}: needs etcd3 re-rendezvous results at two node counts or more, has {len(points)}")
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x in xs))
+    return {"per_node_s": slope, "intercept_s": mean_y - slope * mean_x,
+            "round_after_loss_s": mean_y + slope * (nodes - mean_x), "points": points}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-tb", type=float, default=1.0)
+    derived = {"size_bytes", "round_after_loss_s"}
     for f in fields(Assumptions):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name != "size_bytes":
+        elif f.name not in derived:
             parser.add_argument(flag, type=type(f.default), default=f.default)
+    parser.add_argument("--control-plane", type=Path, default=None,
+                        help="bench_control_plane.py's JSON: torchrevive's round after a loss from its etcd3 results")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    values = {f.name: getattr(args, f.name) for f in fields(Assumptions) if f.name != "size_bytes"}
-    result = simulate(Assumptions(size_bytes=args.size_tb * 1e12, **values))
-    a = result["assumptions"]
-    print(f"{a['gpus']} GPUs ({a['nodes']} nodes x {a['gpus_per_node']}), {a['size_bytes'] / 1e12:g} TB state, "
-          f"failure: {a['failure']}; storage {a['storage_aggregate_gbps']:g} GB/s aggregate, "
-          f"{a['client_gbps']:g} GB/s per node, NIC {a['nic_gbps']:g} GB/s")
-    print(f"{'approach':12s} " + " ".join(f"{p:>13s}" for p in PHASES) + f" {'total':>10s}  bound by")
+    values = {f.name: getattr(args, f.name) for f in fields(Assumptions) if f.name not in derived}
+    a = Assumptions(size_bytes=args.size_tb * 1e12, **values)
+    control_plane = round_after_loss(args.control_plane, a.nodes) if args.control_plane else None
+    if control_plane is not None:
+        a = replace(a, round_after_loss_s=control_plane["round_after_loss_s"])
+    result = simulate(a)
+    if control_plane is not None:
+        result["control_plane"] = {"path": str(args.control_plane), **control_plane}
+    print(f"{a.gpus} GPUs ({a.nodes} nodes x {a.gpus_per_node}), {a.size_bytes / 1e12:g} TB state, "
+          f"failure: {a.failure}; storage {a.storage_aggregate_gbps:g} GB/s aggregate, "
+          f"{a.client_gbps:g} GB/s per node, NIC {a.nic_gbps:g} GB/s; one failure every {a.mtbf_s:g} s, "
+          f"storage snapshots every {a.checkpoint_interval_s:g} s")
+    print(f"{'approach':18s} " + " ".join(f"{p:>13s}" for p in PHASES)
+          + f" {'total':>10s}  {'work lost':>9s} {'saving':>7s} {'goodput':>7s}  bound by")
     for name, r in result["approaches"].items():
-        print(f"{name:12s} " + " ".join(f"{r['phases'][p]:12.1f}s" for p in PHASES)
-              + f" {r['total_s']:9.1f}s  {r['bound_by']}")
+        print(f"{name:18s} " + " ".join(f"{r['phases'][p]:12.1f}s" for p in PHASES)
+              + f" {r['total_s']:9.1f}s  {r['lost_work_s']:8.1f}s {r['save_overhead']:7.2%} {r['goodput']:7.3f}"
+              + f"  {r['bound_by']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

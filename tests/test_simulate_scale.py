@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from simulate_scale import Assumptions, classic, torchrevive  # scripts/ is on the path through conftest
+from simulate_scale import (  # scripts/ is on the path through conftest
+    Assumptions,
+    classic,
+    round_after_loss,
+    simulate,
+    tiers,
+    torchrevive,
+    torchrevive_memory,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_scale.py"
 
@@ -57,3 +65,56 @@ def test_boolean_figures_are_flags(tmp_path):
     assert result["assumptions"]["stripe_replicated"] is False
     expected = torchrevive(replace(Assumptions(), replicated_fraction=0.1, stripe_replicated=False))
     assert result["approaches"]["torchrevive"]["phases"]["restore"] == pytest.approx(expected["restore"])
+
+
+def test_goodput_charges_each_failure_its_recovery_and_the_work_since_the_last_commit():
+    a = replace(Assumptions(), mtbf_s=3600.0, checkpoint_interval_s=1800.0)
+    # A synchronous save writes 1 TB at 100 GB/s (10 GB/s per node caps 64 nodes at 640): 10 s,
+    # committed as it ends; training waits for all of it every half hour.
+    (save,) = tiers("classic", a)
+    assert (save.blocking_s, save.commit_s) == (pytest.approx(10.0), pytest.approx(10.0))
+    recovery = sum(classic(a).values())
+    expected = (1 - 10.0 / 1800.0) * (1 - (recovery + 900.0 + 10.0) / 3600.0)
+    assert simulate(a)["approaches"]["classic"]["goodput"] == pytest.approx(expected)
+
+
+def test_the_memory_tier_bounds_the_work_lost_by_its_own_interval():
+    a = replace(Assumptions(), memory_interval_s=60.0)
+    storage, memory = tiers("torchrevive_memory", a)
+    assert storage == tiers("torchrevive", a)[0]
+    # A GPU's 1.95 GB staged at 20 GB/s, then the node's 15.6 GB into tmpfs (20 GB/s) and to its
+    # buddy over the NIC (40 GB/s).
+    share = 1e12 / 64
+    assert memory.commit_s == pytest.approx(1e12 / 512 / 20e9 + share / 20e9 + share / 40e9)
+    approaches = simulate(a)["approaches"]
+    assert approaches["torchrevive_memory"]["lost_work_s"] == pytest.approx(30.0 + memory.commit_s)
+    assert approaches["torchrevive"]["lost_work_s"] == pytest.approx(900.0 + storage.commit_s)
+    # The pull from the peers' RAM (15.9 GB at 40 GB/s) fits inside the workers' start.
+    assert torchrevive_memory(a)["restore"] == pytest.approx(1e12 / 63 / 20e9)
+    assert approaches["torchrevive_memory"]["goodput"] > approaches["torchrevive"]["goodput"] + 0.2
+
+
+def test_torchsnapshots_staging_keeps_training_waiting_longer_by_its_measured_factor():
+    a = Assumptions()
+    assert tiers("parallel", a)[0].blocking_s == pytest.approx(16.9 * tiers("torchrevive", a)[0].blocking_s)
+
+
+def test_the_round_after_a_loss_follows_the_measured_control_plane(tmp_path):
+    measured = tmp_path / "control_plane.json"
+    rows = {"8": (3.2, 3.6), "32": (3.4, 4.0), "128": (3.3, 4.7), "256": {"error": "not within 180 s"}}
+    results = {n: ({"detect_s": r[0], "rerendezvous_s": r[1]} if isinstance(r, tuple) else r) for n, r in rows.items()}
+    measured.write_text(json.dumps({"results": {"etcd3": results, "c10d": {"8": {"detect_s": 1, "rerendezvous_s": 90}}}}))
+    fit = round_after_loss(measured, 64)
+    # Rounds of 0.4, 0.6 and 1.4 s at 8, 32 and 128 nodes: 0.3 s + 8.3 ms per node.
+    assert fit["per_node_s"] == pytest.approx(0.0083, abs=1e-4)
+    assert fit["round_after_loss_s"] == pytest.approx(fit["intercept_s"] + 64 * fit["per_node_s"])
+    out = tmp_path / "model.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--control-plane", str(measured), "--json", str(out)],
+                   check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["approaches"]["torchrevive"]["phases"]["rendezvous"] == pytest.approx(fit["round_after_loss_s"])
+    assert set(result["approaches"]) == {"classic", "parallel", "torchrevive", "torchrevive_memory"}
+    one_point = tmp_path / "one.json"
+    one_point.write_text(json.dumps({"results": {"etcd3": {"8": {"detect_s": 3.0, "rerendezvous_s": 3.5}}}}))
+    with pytest.raises(ValueError, match="two node counts"):
+        round_after_loss(one_point, 64)
