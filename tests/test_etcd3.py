@@ -143,11 +143,14 @@ def test_plain_torchrun_finds_the_backend_by_name(etcd, tmp_path):
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]
 
 
-def test_the_entry_point_loads_whichever_torch_module_is_imported_first():
-    # torch loads `torchrun.handlers` entry points while its elastic agent module is still being
+@pytest.mark.parametrize("first", ["torch.distributed.elastic.agent.server.local_elastic_agent", "agent.torch_private"])
+def test_the_entry_point_loads_whichever_module_is_imported_first(first):
+    # torch loads `torchrun.handlers` entry points while its rendezvous package is still being
     # imported; a plugin that imported torchsnapshot (and through it DCP) there failed on a
-    # circular import, and torch only logged it and went on without the backend.
-    probe = ("import torch.distributed.elastic.agent.server.local_elastic_agent\n"
+    # circular import, and so did one that took torch's private names from agent.torch_private
+    # while that module itself was importing torch; torch only logged it and went on without
+    # the backend.
+    probe = (f"import {first}\n"
              "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as registry\n"
              "print(sorted(name for name in ('etcd3', 'etcd-v3') if name in registry._registry))\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=worker_env(), cwd=REPO,

@@ -42,9 +42,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from agent.rendezvous import etcd3_client, round_state
-from agent.torch_private import RendezvousState
 
 if TYPE_CHECKING:
+    from agent.torch_private import RendezvousState
     from agent.rendezvous.etcd3_backend import Etcd3Lease
     from agent.rendezvous.etcd3_client import Etcd3Connection
 
@@ -58,6 +58,9 @@ REUSE_S = 0.5
 then at most this old, well within any heartbeat timeout."""
 CATCH_UP_S = 1.0
 """How long a read waits for the watch to start before it reads etcd directly."""
+MAX_DELETES = 100
+"""Heartbeat keys one write deletes at most: etcd refuses a transaction of more than 128
+operations by default (``--max-txn-ops``); keys left over expire with their leases."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +305,9 @@ class Etcd3MembersBackend(RendezvousBackend):
             stored = self._round_of(view)
             changed = stored is None or token != view.revision or not round_state.same_round(wanted, stored)
             create = beat is not None and self._node not in view.live
-            deletes = sorted(view.live - heartbeats.keys())
+            # Keys the round let go, judged only against the round as it stands (a stale state
+            # lacks every node that joined since; its compare-and-set fails anyway).
+            deletes = sorted(view.live - heartbeats.keys())[:MAX_DELETES] if token == view.revision else []
             succeeded = True
             if changed or create or deletes:
                 succeeded, found, revision = self._write(wanted if changed else None, token, create=create,

@@ -14,24 +14,27 @@ import pickle
 from datetime import datetime
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from agent.torch_private import NodeDesc, RendezvousState
+# The module, not its names: torch loads the etcd3 backend (an entry point) while it imports its
+# own rendezvous package, and this module with it, possibly from inside torch_private's first import.
+from agent import torch_private
 
-_ALLOWED = {
-    (RendezvousState.__module__, RendezvousState.__qualname__),
-    (NodeDesc.__module__, NodeDesc.__qualname__),
-    ("datetime", "datetime"),
-    ("datetime", "timezone"),
-    ("datetime", "timedelta"),
-}
+if TYPE_CHECKING:
+    from agent.torch_private import NodeDesc, RendezvousState
+
+_DATETIME_TYPES = {("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta")}
 _COMPARED = ("round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list")
 """The round's fields: everything of the state but the heartbeats."""
 
 
 class _StateUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED:
+        state, node = torch_private.RendezvousState, torch_private.NodeDesc
+        allowed = _DATETIME_TYPES | {(state.__module__, state.__qualname__), (node.__module__, node.__qualname__)}
+        if (module, name) not in allowed:
             raise RendezvousStateError(f"the stored rendezvous round holds {module}.{name}, which a rendezvous state "
                                        "never holds; the key was written by something else: delete it, or use "
                                        "another key_prefix")
@@ -44,7 +47,7 @@ def decode(data: bytes) -> RendezvousState:
         state = _StateUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
         raise RendezvousStateError(f"the stored rendezvous round is corrupt ({exc})") from exc
-    if not isinstance(state, RendezvousState):
+    if not isinstance(state, torch_private.RendezvousState):
         raise RendezvousStateError(f"the stored rendezvous round is a {type(state).__name__}, not a rendezvous state")
     return state
 
