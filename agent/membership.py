@@ -31,12 +31,14 @@ FRESH_READ_WAIT_S = 1.0
 """How long ``check(now=True)`` waits for a fresh read; the backend answers in milliseconds when it
 is reachable, and the monitor loop must not wait out an outage."""
 
-Cause = Literal["node_lost", "node_hung", "node_joined", "worker_failed"]
+Cause = Literal["node_lost", "node_hung", "node_joined", "round_advanced", "worker_failed"]
 """node_lost: a participant's heartbeats lapsed (killed, frozen or cut off: from the survivors'
-side these look alike); node_hung: this node finds itself out of the round it was running, so it
-was the unresponsive one (frozen, then thawed); node_joined: nodes wait to join (new nodes, or peers
-that left the round by themselves to rejoin); worker_failed: a local worker failed while membership
-held."""
+side these look alike), or a peer moved the round on without it; node_hung: this node finds itself
+out of the round it was running, so it was the unresponsive one (frozen, then thawed); node_joined:
+nodes wait to join (new nodes, or peers that left the round by themselves to rejoin);
+round_advanced: a peer moved the round on (for a change it saw first, or a failed worker of its
+own) and carried this node into it, losing nobody; worker_failed: a local worker failed while
+membership held."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ class MembershipWatch:
     """Compares the rendezvous state with the round this agent's workers run in.
 
     The state is read by a background thread, every ``poll_interval`` and, with a backend that can
-    watch its state (etcd3), as soon as a change lands. The monitor loop only compares the latest
+    watch its state (etcd3), as soon as a change lands (with etcd3's heartbeat keys, where every
+    change lands so, every half heartbeat timeout otherwise). The monitor loop only compares the latest
     read with its round, so it never waits on the backend: while the store or etcd is unreachable,
     for however long, the reads fail (logged once per outage) and the workers keep training. Reads
     pause during a rendezvous, which uses the handler's state alone.
@@ -110,6 +113,10 @@ class MembershipWatch:
             backend.watch_state(self._wake.set)
         self._lapsed: Callable[[], dict[str, float]] | None = getattr(backend, "lapsed", None)
         """etcd3's heartbeat keys: the nodes whose key expired, and when each last refreshed it."""
+        self._idle_wait = poll_interval if self._lapsed is None else max(poll_interval, self.heartbeat_timeout / 2)
+        """How long the reader waits for a wake-up before it reads anyway. With etcd3's heartbeat
+        keys every change (a lapse too: etcd deletes the expired key) wakes it, and nothing changes
+        while membership holds: a read now and then only ages a node whose key was never seen."""
         threading.Thread(target=self._read_loop, name="torchrevive-membership", daemon=True).start()
 
     @property
@@ -197,9 +204,13 @@ class MembershipWatch:
 
     def _change(self, current: Membership, workers_healthy: bool) -> Change | None:
         assert self._round is not None, "compared only once a round started"
-        if current.round != self._round.round or self.node not in current.participants:
+        if current.round < self._round.round or self.node not in current.participants:
             return Change("node_hung", lost=frozenset({self.node}))
         gone = self._round.participants - current.participants
+        if current.round > self._round.round:  # a peer moved the round on, leaving only dead nodes behind
+            if gone:
+                return Change("node_lost", lost=gone, failed_at=self.last_heartbeat(gone), workers_blocked=workers_healthy)
+            return Change("round_advanced", joined=current.participants - self._round.participants)
         lost = frozenset(node for node in gone if self._ledger.is_dead(node))
         if lost:
             return Change("node_lost", lost=lost, failed_at=self.last_heartbeat(lost), workers_blocked=workers_healthy)
@@ -211,7 +222,7 @@ class MembershipWatch:
 
     def _read_loop(self) -> None:
         while True:
-            self._wake.wait(self._poll_interval)
+            self._wake.wait(self._idle_wait)
             self._wake.clear()
             self._running.wait()
             if self._closed:
@@ -234,7 +245,7 @@ class MembershipWatch:
             if self.unreachable_since is None:
                 self.unreachable_since = time.monotonic()
                 logger.warning("the rendezvous state is unreachable (%s: %s); the workers keep training, and the "
-                               "agent keeps trying every %.2f s", type(exc).__name__, exc, self._poll_interval)
+                               "agent keeps trying every %.2f s", type(exc).__name__, exc, self._idle_wait)
             return None
         if self.unreachable_since is not None:
             logger.warning("the rendezvous state is reachable again after %.1f s",

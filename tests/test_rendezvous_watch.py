@@ -1,9 +1,10 @@
 """PromptOpExecutor and MembershipWatch on torch's real dynamic rendezvous (c10d store, several
-handlers in threads): a re-rendezvous completes once every live node joined, without waiting out a
-long last call, but still waits for a live node that joins late, also one caught between leaving
-the old round and joining the new; a job's first round still waits out the last call; the watch
-tells a peer that left to rejoin from a lost one; a node declared dead (its agent's connection
-closed) is lost at once and dropped from the round for every node."""
+handlers in threads): the first survivor to rendezvous moves the round on for every live node in
+one write, and the others find themselves in it without writing anything (also a live node that
+rejoins late); a re-rendezvous completes without waiting out a long last call; a job's first round
+still waits out the last call; the watch tells a peer that moved the round on from a lost one, and
+a round moved on without a node from this node's eviction; a node declared dead (its agent's
+connection closed) is lost at once and dropped from the round for every node."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
-    _RendezvousExitOp,
     create_handler,
 )
 
@@ -68,10 +68,36 @@ def waiting(store: TCPStore, handler: DynamicRendezvousHandler) -> bool:
     return node in state.wait_list or (node in state.participants and not state.complete)
 
 
-def leave(handler: DynamicRendezvousHandler) -> None:
-    """The first half of ``next_rendezvous``: the node leaves its round (its heartbeat goes with it),
-    and has not joined the next yet."""
-    handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + JOIN_TIMEOUT_S)
+STATE_WRITES = ("_add_to_participants", "_add_to_wait_list", "_add_to_redundancy_list", "_remove_from_participants",
+                "_remove_from_wait_list", "_remove_from_redundancy_list", "_mark_rendezvous_complete", "_move_round_on")
+"""The executor's changes of the round (a keep-alive aside)."""
+
+
+def count_round_writes(executor: PromptOpExecutor) -> list[str]:
+    """The names of the round changes ``executor`` makes from now on, in order."""
+    made: list[str] = []
+    for name in STATE_WRITES:
+        original = getattr(executor, name)
+
+        def counted(original=original, name=name) -> None:
+            made.append(name)
+            original()
+
+        setattr(executor, name, counted)
+    return made
+
+
+def dropped(store: TCPStore, handler: DynamicRendezvousHandler, by: DynamicRendezvousHandler) -> None:
+    """Wait until ``handler``'s node, whose heartbeats stopped, is gone from the stored state
+    (``by`` syncs, which runs torch's clean-up, and writes it back), as a survivor's agent sees
+    a loss before it rendezvouses."""
+    node, deadline = handler._this_node, time.monotonic() + JOIN_TIMEOUT_S
+    while node in stored_state(store).last_heartbeats:
+        assert time.monotonic() < deadline, "the dead node was never dropped"
+        by._state_holder.sync()
+        by._state_holder.mark_dirty()
+        by._state_holder.sync()
+        time.sleep(0.1)
 
 
 def rendezvous(handlers, *, store: TCPStore | None = None, late=None, late_by: float = 0.0) -> list[int]:
@@ -92,25 +118,15 @@ def rendezvous(handlers, *, store: TCPStore | None = None, late=None, late_by: f
         return list(pool.map(join, handlers))
 
 
-def test_survivors_re_form_without_waiting_out_the_last_call(make_node):
+def test_survivors_re_form_without_waiting_out_the_last_call(store, make_node):
     nodes = [make_node() for _ in range(3)]
     handlers = [h for h, _ in nodes]
     assert rendezvous(handlers) == [3, 3, 3]  # max_nodes joined: torch completes the round at once
     for _, executor in nodes:
         executor.rejoining = True  # as the agent sets it after its first round
     handlers[2]._stop_heartbeats()  # the third node dies: its heartbeats lapse after 2 s
+    dropped(store, handlers[2], by=handlers[0])
     assert rendezvous(handlers[:2]) == [2, 2]  # before the join timeout, torch alone waits 60 s here
-
-
-def test_a_live_node_that_joins_late_is_waited_for(store, make_node):
-    nodes = [make_node() for _ in range(3)]
-    handlers = [h for h, _ in nodes]
-    assert rendezvous(handlers) == [3, 3, 3]
-    for _, executor in nodes:
-        executor.rejoining = True
-    # The third node is alive (heartbeating) but rejoins 1.5 s after the two others wait: the round
-    # waits for it (completing with the two first ones would leave it out, in the wait list).
-    assert rendezvous(handlers, store=store, late=handlers[2], late_by=1.5) == [3, 3, 3]
 
 
 def formed(nodes) -> list[DynamicRendezvousHandler]:
@@ -122,30 +138,29 @@ def formed(nodes) -> list[DynamicRendezvousHandler]:
     return handlers
 
 
-def test_a_survivor_between_leaving_and_joining_is_waited_for(store, make_node):
-    nodes = [make_node(keep_alive_max_attempt=3) for _ in range(3)]
+def test_the_first_survivor_moves_the_round_on_for_every_live_node_in_one_write(store, make_node):
+    nodes = [make_node(max_nodes=4) for _ in range(4)]
     handlers = formed(nodes)
-    third = handlers[2]._this_node
-    handlers[2]._stop_heartbeats()  # the third node dies; once it is dropped, the others re-form
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while third in stored_state(store).last_heartbeats:
-        assert time.monotonic() < deadline, "the dead node was never dropped"
-        handlers[0]._state_holder.sync()  # a sync runs torch's clean-up and writes it back
-        handlers[0]._state_holder.mark_dirty()
-        handlers[0]._state_holder.sync()
-        time.sleep(0.1)
-    leave(handlers[1])  # the second has left the round, and its heartbeat is gone from the state
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(handlers[0].next_rendezvous)
-        while not waiting(store, handlers[0]) or stored_state(store).complete:
-            assert time.monotonic() < deadline, "the first node never waited in a new round"
-            time.sleep(0.02)
-        # The first node alone is in the new round and every heartbeat in the state is its own; it
-        # waits for the second (heard from a moment ago), not for the dead third.
-        time.sleep(10 * nodes[0][1].poll_interval)
-        assert not first.done()
-        assert handlers[1].next_rendezvous().world_size == 2
-        assert first.result(timeout=JOIN_TIMEOUT_S).world_size == 2
+    first, second, late = (count_round_writes(executor) for _, executor in nodes[:3])
+    before = stored_state(store).round
+    handlers[3]._stop_heartbeats()  # the fourth node dies
+    dropped(store, handlers[3], by=handlers[0])
+    # The first survivor's one write makes the next round: both other survivors in it, complete
+    # at once (no live node is left out), ranks assigned. torch alone would wait out its 60 s last
+    # call, after every survivor left the round, waited, and joined the next, a write each.
+    assert handlers[0].next_rendezvous().world_size == 3
+    # (A compare-and-set lost to a peer's keep-alive, which c10d writes into the state, is tried again.)
+    assert set(first) == {"_move_round_on", "_mark_rendezvous_complete"} and first[-2:] == [
+        "_move_round_on", "_mark_rendezvous_complete"]
+    state = stored_state(store)
+    assert state.round == before + 1 and state.complete
+    assert sorted(state.participants.values()) == [0, 1, 2]
+    # The others find themselves in it, and change nothing of the round (a heartbeat aside); the
+    # third rejoins 1.5 s later, alive all the while (heartbeating): it was carried over too.
+    assert handlers[1].next_rendezvous().world_size == 3 and second == []
+    time.sleep(1.5)
+    assert handlers[2].next_rendezvous().world_size == 3 and late == []
+    assert stored_state(store).round == before + 1
 
 
 def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, make_node):
@@ -201,7 +216,7 @@ def first_change(watch: MembershipWatch, timeout: float = 10):
     raise AssertionError(f"no membership change within {timeout} s")
 
 
-def test_the_watch_tells_a_peer_restarting_from_a_lost_one(make_node):
+def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
     nodes = [make_node() for _ in range(3)]
     (first, _), (second, _), (third, _) = nodes
     assert rendezvous([first, second, third]) == [3, 3, 3]
@@ -209,18 +224,39 @@ def test_the_watch_tells_a_peer_restarting_from_a_lost_one(make_node):
         executor.rejoining = True
     watch = MembershipWatch(first, ledger=nodes[0][1].ledger, poll_interval=0.05)
     watch.start_round()
-    with ThreadPoolExecutor(1) as pool:
-        rejoined = pool.submit(second.next_rendezvous)  # its agent restarts: it leaves, to rejoin
-        change = first_change(watch)
-        assert change.cause == "node_joined" and change.lost == frozenset()
-        assert change.joined == {str(second._this_node)}
-        third._stop_heartbeats()  # the third node dies
-        # The first node rejoins too (its agent pauses the watch first); the round re-forms without
-        # the third once it is dropped.
-        watch.pause()
-        assert first.next_rendezvous().world_size == 2 and rejoined.result().world_size == 2
+    # The second node's agent restarts (a worker of its own failed): it moves the round on with
+    # all three, and the first node's watch sees that nobody was lost.
+    assert second.next_rendezvous().world_size == 3
+    change = first_change(watch)
+    assert change.cause == "round_advanced" and change.lost == frozenset() and change.joined == frozenset()
+    watch.pause()  # the first node's agent rejoins (pausing the watch first): it is already in
+    assert first.next_rendezvous().world_size == 3
+    watch.start_round()
+    third._stop_heartbeats()  # the third node dies
+    change = first_change(watch)
+    assert change.cause == "node_lost" and change.lost == {str(third._this_node)}
+    watch.pause()
+    assert rendezvous([first, second]) == [2, 2]
     watch.start_round()
     second._stop_heartbeats()
     change = first_change(watch)
     assert change.cause == "node_lost" and change.lost == {str(second._this_node)}
+    watch.close()
+
+
+def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, make_node):
+    nodes = [make_node() for _ in range(3)]
+    (first, _), (second, _), (third, _) = nodes
+    assert rendezvous([first, second, third]) == [3, 3, 3]
+    for _, executor in nodes:
+        executor.rejoining = True
+    # The second node's watch reads only when asked: it does not see the third die by itself.
+    watch = MembershipWatch(second, ledger=nodes[1][1].ledger, poll_interval=60)
+    watch.start_round()
+    third._stop_heartbeats()
+    dropped(store, third, by=first)
+    assert first.next_rendezvous().world_size == 2
+    # Its first read finds the round moved on without the third: a loss, not its own eviction.
+    change = watch.check(workers_healthy=True, now=True)
+    assert change is not None and change.cause == "node_lost" and change.lost == {str(third._this_node)}
     watch.close()

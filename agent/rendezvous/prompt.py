@@ -4,10 +4,18 @@ torch's rendezvous completes a round when ``max_nodes`` joined, or ``last_call_t
 ``min_nodes`` did, and while a node waits it reads the shared state once a second (and its state
 holder serves reads from a 1 s cache). After a membership change, the survivors therefore wait out
 the last call and up to a second per step of the protocol (old round left, new round joined, round
-marked complete) although every one of them is already there.
+marked complete) although every one of them is already there. And each of those steps is a
+compare-and-set of the whole state by one node: every survivor leaves the old round, waits, and
+joins the next, one write at a time, about three writes of an O(N) state per node.
 
-:class:`PromptOpExecutor` runs torch's own rendezvous operations with two changes:
+:class:`PromptOpExecutor` runs torch's own rendezvous operations with three changes:
 
+* once this node has been in a completed round, the first node to leave it moves the round on for
+  everyone, in one write: the next round holds every participant that is not known dead and the
+  nodes waiting to join (up to ``max_nodes``), and is complete at once when no live node is left
+  out. A node carried into a round that way has nothing to leave and finds itself a participant
+  when it rendezvouses; its membership watch sees the round move on (:mod:`agent.membership`).
+  A re-rendezvous so costs one write, however many nodes there are;
 * once this node has been in a completed round, a round completes as soon as every live node
   (each node with a current heartbeat in the state: survivors and joining nodes alike) is a
   participant, and so is every node of the previous round that is not known dead. A node that is
@@ -17,14 +25,17 @@ marked complete) although every one of them is already there.
   connection closed (:class:`~agent.rendezvous.node_ledger.NodeLedger`). The first round of a job
   still waits out the last call, so that nodes starting a few seconds apart begin in one round;
 * while waiting it re-reads the state every ``poll_interval`` instead of every second.
+
+It also records torch's rendezvous events without walking the stack for their names.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
+from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -37,7 +48,9 @@ from agent.torch_private import (
     DistributedRendezvousOpExecutor,
     RendezvousAction,
     RendezvousContext,
+    RendezvousExitOp,
     RendezvousJoinOp,
+    RendezvousState,
 )
 
 _STATE_CHANGES = {
@@ -69,9 +82,12 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         self.poll_interval = poll_interval
         self.ledger = ledger
         self.rejoining = False
-        """Set once this node has been in a completed round: from then on rounds complete early."""
+        """Set once this node has been in a completed round: from then on rounds move on in one
+        write and complete early."""
         self._previous_round: frozenset[str] = frozenset()
         """The participants of the last round this node completed a join in."""
+        self._completed_round: int | None = None
+        """The number of that round."""
 
     @classmethod
     def install(cls, handler: DynamicRendezvousHandler, *, poll_interval: float) -> PromptOpExecutor:
@@ -80,7 +96,13 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         state for at most ``poll_interval`` (torch's default is 1 s)."""
         executor = cls(handler, NodeLedger.install(handler), poll_interval=poll_interval)
         torch_private.set_op_executor(handler, executor, cache_s=poll_interval)
+        torch_private.record_handler_events_cheaply(handler)
         return executor
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        """torch's event of each state change, named as torch names it, for a fraction of the cost
+        (see :func:`~agent.torch_private.record_rendezvous_event`)."""
+        torch_private.record_rendezvous_event(self, self._node, self._settings.run_id, message, node_state)
 
     def run(
         self,
@@ -94,12 +116,25 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
             self._state_holder.sync()
             self._state = self._state_holder.state
             ctx = RendezvousContext(self._node, self._state, self._settings)
+            if isinstance(state_handler, RendezvousExitOp) and self._carried_over(ctx.state):
+                if self._heartbeat_fresh(ctx):
+                    return
+                # torch's join writes the node's heartbeat, and its heartbeat timer restarts one
+                # interval after the rendezvous: without a write here the gap could reach two.
+                self._keep_alive()
+                self._state_holder.mark_dirty()
+                continue
             action = state_handler(ctx, deadline)
+            if isinstance(state_handler, RendezvousExitOp) and self._may_move_on(ctx, action):
+                self._move_round_on()
+                self._state_holder.mark_dirty()
+                continue
             if isinstance(state_handler, RendezvousJoinOp) and self._may_complete_now(ctx, action):
                 action = RendezvousAction.MARK_RENDEZVOUS_COMPLETE
             if action == RendezvousAction.FINISH:
                 if isinstance(state_handler, RendezvousJoinOp) and self._node in self._state.participants:
                     self._previous_round = frozenset(str(node) for node in self._state.participants)
+                    self._completed_round = self._state.round
                 continue
             if action == RendezvousAction.ERROR_CLOSED:
                 raise RendezvousClosedError
@@ -112,6 +147,43 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
             if action == RendezvousAction.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 deadline = update_deadline(self._settings.timeout.join)
             self._state_holder.mark_dirty()
+
+    def _carried_over(self, state: RendezvousState) -> bool:
+        """Whether a peer already moved the round on past the one this node completed, carrying
+        this node into it: there is nothing to leave."""
+        return (self.rejoining and self._completed_round is not None and state.round > self._completed_round
+                and self._node in state.participants)
+
+    def _heartbeat_fresh(self, ctx: RendezvousContext) -> bool:
+        """Whether this node's heartbeat in the state is less than half a keep-alive interval old."""
+        beat = ctx.state.last_heartbeats.get(self._node)
+        return beat is not None and datetime.now(timezone.utc) - beat < ctx.settings.keep_alive_interval / 2
+
+    def _may_move_on(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
+        """Whether this node, about to leave the completed round it was in, moves the round on for
+        everyone instead."""
+        state = ctx.state
+        return (self.rejoining and action == RendezvousAction.REMOVE_FROM_PARTICIPANTS and state.complete
+                and not state.closed and state.round == self._completed_round)
+
+    def _move_round_on(self) -> None:
+        """The next round, in this node's copy of the state: every participant not known dead, then
+        the nodes waiting to join, up to ``max_nodes``; complete at once (ranks assigned) when no
+        live node is left out and there are ``min_nodes``, else open until the last call."""
+        state, settings = self._state, self._settings
+        live = {node for node in state.last_heartbeats if not self.ledger.is_dead(str(node))} - state.redundancy_list
+        staying = [node for node in state.participants if node in live]
+        joining = sorted(state.wait_list & live)[:max(0, settings.max_nodes - len(staying))]
+        state.round += 1
+        state.last_heartbeats[self._node] = datetime.now(timezone.utc)
+        state.participants = {node: 0 for node in [*staying, *joining]}
+        state.wait_list -= set(joining)
+        state.complete, state.deadline = False, None
+        if len(state.participants) >= settings.min_nodes:
+            if live <= state.participants.keys() or len(state.participants) == settings.max_nodes:
+                self._mark_rendezvous_complete()
+            else:
+                state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
 
     def _may_complete_now(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
         """Whether this round can complete now rather than at torch's last call: this node (which
