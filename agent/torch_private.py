@@ -121,6 +121,12 @@ def record_handler_events_cheaply(handler: DynamicRendezvousHandler) -> None:
     handler._record = record
 
 
+def rendezvous_store(handler: DynamicRendezvousHandler) -> Any:
+    """The store ``handler`` was made with (c10d's TCPStore, etcd3's store), before torch wraps it
+    in a round's prefix."""
+    return handler._store
+
+
 def executor_parts(handler: DynamicRendezvousHandler) -> tuple[NodeDesc, Any, RendezvousSettings]:
     """What torch's operation executor is made of: the handler's node, state holder and settings."""
     return handler._this_node, handler._state_holder, handler._settings

@@ -141,26 +141,37 @@ def formed(nodes) -> list[DynamicRendezvousHandler]:
 def test_the_first_survivor_moves_the_round_on_for_every_live_node_in_one_write(store, make_node):
     nodes = [make_node(max_nodes=4) for _ in range(4)]
     handlers = formed(nodes)
-    first, second, late = (count_round_writes(executor) for _, executor in nodes[:3])
+    writes = [count_round_writes(executor) for _, executor in nodes[:3]]
     before = stored_state(store).round
     handlers[3]._stop_heartbeats()  # the fourth node dies
     dropped(store, handlers[3], by=handlers[0])
-    # The first survivor's one write makes the next round: both other survivors in it, complete
-    # at once (no live node is left out), ranks assigned. torch alone would wait out its 60 s last
-    # call, after every survivor left the round, waited, and joined the next, a write each.
-    assert handlers[0].next_rendezvous().world_size == 3
-    # (A compare-and-set lost to a peer's keep-alive, which c10d writes into the state, is tried again.)
-    assert set(first) == {"_move_round_on", "_mark_rendezvous_complete"} and first[-2:] == [
-        "_move_round_on", "_mark_rendezvous_complete"]
+    # The first survivor's one write makes the next round, with both other survivors in it; the
+    # third rejoins 1.5 s after the two others wait, alive all the while (heartbeating), and is in
+    # it too. Each says it is alive with a key of its own, and the first participant completes the
+    # round: two writes of the round in all. torch alone would wait out its 60 s last call, after
+    # every survivor left the round, waited, and joined the next, a write each.
+    assert rendezvous(handlers[:3], store=store, late=handlers[2], late_by=1.5) == [3, 3, 3]
+    # Nobody left the round or joined the next by itself. (A compare-and-set lost to a peer's
+    # keep-alive, which c10d writes into the state, is tried again.)
+    made = [name for node_writes in writes for name in node_writes]
+    assert set(made) == {"_move_round_on", "_mark_rendezvous_complete"}, made
+    assert sum(len(node_writes) > 0 for node_writes in writes) <= 2  # the one who moved it on, the one who completed it
     state = stored_state(store)
     assert state.round == before + 1 and state.complete
     assert sorted(state.participants.values()) == [0, 1, 2]
-    # The others find themselves in it, and change nothing of the round (a heartbeat aside); the
-    # third rejoins 1.5 s later, alive all the while (heartbeating): it was carried over too.
-    assert handlers[1].next_rendezvous().world_size == 3 and second == []
-    time.sleep(1.5)
-    assert handlers[2].next_rendezvous().world_size == 3 and late == []
-    assert stored_state(store).round == before + 1
+
+
+def test_a_node_carried_over_dead_holds_the_round_until_it_is_dropped(store, make_node):
+    # A node moves the round on before it knows that a peer died (its own workers failed first):
+    # the dead peer never says it is alive, so the round completes only once it is dropped,
+    # without it, instead of completing with a participant that never comes.
+    nodes = [make_node(keep_alive_max_attempt=3) for _ in range(3)]
+    handlers = formed(nodes)
+    handlers[2]._stop_heartbeats()  # dies; nobody has seen it yet
+    started = time.monotonic()
+    assert rendezvous(handlers[:2]) == [2, 2]
+    assert time.monotonic() - started > 1.0  # its heartbeats had to lapse first (up to 3 s)
+    assert handlers[2]._this_node not in stored_state(store).participants
 
 
 def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, make_node):
@@ -226,11 +237,14 @@ def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
     watch.start_round()
     # The second node's agent restarts (a worker of its own failed): it moves the round on with
     # all three, and the first node's watch sees that nobody was lost.
-    assert second.next_rendezvous().world_size == 3
-    change = first_change(watch)
-    assert change.cause == "round_advanced" and change.lost == frozenset() and change.joined == frozenset()
-    watch.pause()  # the first node's agent rejoins (pausing the watch first): it is already in
-    assert first.next_rendezvous().world_size == 3
+    with ThreadPoolExecutor(2) as pool:
+        moved = pool.submit(second.next_rendezvous)
+        change = first_change(watch)
+        assert change.cause == "round_advanced" and change.lost == frozenset() and change.joined == frozenset()
+        watch.pause()  # the first node's agent rejoins (pausing the watch first): it is already in
+        others = pool.submit(third.next_rendezvous)
+        assert first.next_rendezvous().world_size == 3 and moved.result().world_size == 3
+        assert others.result().world_size == 3
     watch.start_round()
     third._stop_heartbeats()  # the third node dies
     change = first_change(watch)
@@ -255,8 +269,16 @@ def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, 
     watch.start_round()
     third._stop_heartbeats()
     dropped(store, third, by=first)
-    assert first.next_rendezvous().world_size == 2
-    # Its first read finds the round moved on without the third: a loss, not its own eviction.
-    change = watch.check(workers_healthy=True, now=True)
-    assert change is not None and change.cause == "node_lost" and change.lost == {str(third._this_node)}
+    before = stored_state(store).round
+    with ThreadPoolExecutor(1) as pool:
+        moved = pool.submit(first.next_rendezvous)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while stored_state(store).round == before:
+            assert time.monotonic() < deadline, "the first node never moved the round on"
+            time.sleep(0.02)
+        # Its first read finds the round moved on without the third: a loss, not its own eviction.
+        change = watch.check(workers_healthy=True, now=True)
+        assert change is not None and change.cause == "node_lost" and change.lost == {str(third._this_node)}
+        watch.pause()
+        assert second.next_rendezvous().world_size == 2 and moved.result().world_size == 2
     watch.close()

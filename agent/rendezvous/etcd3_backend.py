@@ -214,6 +214,11 @@ class Etcd3Store(Store):
             return desired
         return responses[0][0][0] if responses[0] else expected
 
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys set under ``prefix`` (without this store's own prefix), in one range read."""
+        found = self._connection.call(lambda c: list(c.get_prefix(self._key(prefix), keys_only=True)))
+        return [meta.key.decode()[len(self._prefix):] for _, meta in found]
+
     def check(self, keys: list[str]) -> bool:
         return all(value is not None for value in self._values(keys))
 

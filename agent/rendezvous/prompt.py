@@ -12,13 +12,14 @@ joins the next, one write at a time, about three writes of an O(N) state per nod
 
 * once this node has been in a completed round, the first node to leave it moves the round on for
   everyone, in one write: the next round holds every participant that is not known dead and the
-  nodes waiting to join (up to ``max_nodes``), and is complete at once when no live node is left
-  out. A node carried into a round that way has nothing to leave and finds itself a participant
-  when it rendezvouses; its membership watch sees the round move on (:mod:`agent.membership`).
-  A re-rendezvous so costs one write, however many nodes there are;
+  nodes waiting to join (up to ``max_nodes``). A node carried into a round that way has nothing to
+  leave and finds itself a participant when it rendezvouses; its membership watch sees the round
+  move on (:mod:`agent.membership`). Each participant then says it is alive with a key of its own
+  (:mod:`agent.rendezvous.round_acks`), and the first participant completes the round once all
+  have: a re-rendezvous so costs two writes of the round, however many nodes there are;
 * once this node has been in a completed round, a round completes as soon as every live node
   (each node with a current heartbeat in the state: survivors and joining nodes alike) is a
-  participant, and so is every node of the previous round that is not known dead. A node that is
+  participant and has said so, and so is every node of the previous round that is not known dead. A node that is
   alive but has not joined yet is waited for, up to torch's last call: also one of the previous
   round caught between leaving it and joining the next, when the state holds no heartbeat of it.
   A lost one is gone from the state once its heartbeats lapse, or at once when its agent's
@@ -44,6 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from agent import torch_private
 from agent.rendezvous.node_ledger import NodeLedger
+from agent.rendezvous.round_acks import RoundAcks
 from agent.torch_private import (
     DistributedRendezvousOpExecutor,
     RendezvousAction,
@@ -81,6 +83,7 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         super().__init__(*torch_private.executor_parts(handler))
         self.poll_interval = poll_interval
         self.ledger = ledger
+        self.acks = RoundAcks(torch_private.rendezvous_store(handler), handler.settings.run_id)
         self.rejoining = False
         """Set once this node has been in a completed round: from then on rounds move on in one
         write and complete early."""
@@ -88,6 +91,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         """The participants of the last round this node completed a join in."""
         self._completed_round: int | None = None
         """The number of that round."""
+        self._acked_round: int | None = None
+        """The last round this node said it is alive in."""
 
     @classmethod
     def install(cls, handler: DynamicRendezvousHandler, *, poll_interval: float) -> PromptOpExecutor:
@@ -129,8 +134,10 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                 self._move_round_on()
                 self._state_holder.mark_dirty()
                 continue
-            if isinstance(state_handler, RendezvousJoinOp) and self._may_complete_now(ctx, action):
-                action = RendezvousAction.MARK_RENDEZVOUS_COMPLETE
+            if isinstance(state_handler, RendezvousJoinOp):
+                self._acknowledge(ctx.state)
+                if self._may_complete_now(ctx, action):
+                    action = RendezvousAction.MARK_RENDEZVOUS_COMPLETE
             if action == RendezvousAction.FINISH:
                 if isinstance(state_handler, RendezvousJoinOp) and self._node in self._state.participants:
                     self._previous_round = frozenset(str(node) for node in self._state.participants)
@@ -168,22 +175,26 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
 
     def _move_round_on(self) -> None:
         """The next round, in this node's copy of the state: every participant not known dead, then
-        the nodes waiting to join, up to ``max_nodes``; complete at once (ranks assigned) when no
-        live node is left out and there are ``min_nodes``, else open until the last call."""
+        the nodes waiting to join, up to ``max_nodes``; open until every one of them said it is
+        alive, or until torch's last call."""
         state, settings = self._state, self._settings
         live = {node for node in state.last_heartbeats if not self.ledger.is_dead(str(node))} - state.redundancy_list
         staying = [node for node in state.participants if node in live]
         joining = sorted(state.wait_list & live)[:max(0, settings.max_nodes - len(staying))]
+        now = datetime.now(timezone.utc)
         state.round += 1
-        state.last_heartbeats[self._node] = datetime.now(timezone.utc)
+        state.last_heartbeats[self._node] = now
         state.participants = {node: 0 for node in [*staying, *joining]}
         state.wait_list -= set(joining)
-        state.complete, state.deadline = False, None
-        if len(state.participants) >= settings.min_nodes:
-            if live <= state.participants.keys() or len(state.participants) == settings.max_nodes:
-                self._mark_rendezvous_complete()
-            else:
-                state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+        state.complete = False
+        state.deadline = now + settings.timeout.last_call if len(state.participants) >= settings.min_nodes else None
+
+    def _acknowledge(self, state: RendezvousState) -> None:
+        """Say that this node is alive in the round it waits in as a participant (once a round; a
+        new node too, carried in from the wait list)."""
+        if self._node in state.participants and not state.complete and self._acked_round != state.round:
+            self.acks.ack(state.round, str(self._node))
+            self._acked_round = state.round
 
     def _may_complete_now(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
         """Whether this round can complete now rather than at torch's last call: this node (which
@@ -200,4 +211,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         if not live <= participants.keys():
             return False
         joined = {str(node) for node in participants}
-        return all(self.ledger.is_dead(node) for node in self._previous_round - joined)
+        if not all(self.ledger.is_dead(node) for node in self._previous_round - joined):
+            return False
+        # The first participant completes the round (the others wait), once every participant
+        # said it is alive: one read, by one node.
+        return min(joined) == str(ctx.node) and self.acks.acked(state.round, joined) == joined
