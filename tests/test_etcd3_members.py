@@ -67,7 +67,7 @@ def test_keep_alives_put_nothing_and_a_leaving_node_is_not_lapsed(tmp_path):
 
 
 def test_the_heartbeat_layout_option_is_checked():
-    assert heartbeat_layout(params("127.0.0.1:1")) == "state"
+    assert heartbeat_layout(params("127.0.0.1:1")) == "keys"
     assert heartbeat_layout(params("127.0.0.1:1", heartbeats="keys")) == "keys"
     assert heartbeat_layout(params("127.0.0.1:1", heartbeats="state")) == "state"
     with pytest.raises(ValueError, match="rdzv-conf heartbeats=blob: must be one of keys, state"):

@@ -174,6 +174,20 @@ def test_a_node_carried_over_dead_holds_the_round_until_it_is_dropped(store, mak
     assert handlers[2]._this_node not in stored_state(store).participants
 
 
+def test_torchs_last_call_leaves_out_a_node_carried_over_dead(store, make_node):
+    # Heartbeats lapse after 60 s here; the last call is 1 s: the round completes at the last call
+    # with the two nodes that said they are alive, not with the silent one (the agents of a round
+    # completed with it would wait 60 s for it in torch's rank assignment).
+    nodes = [make_node(last_call_s=1, keep_alive_max_attempt=60) for _ in range(3)]
+    handlers = formed(nodes)
+    handlers[2]._stop_heartbeats()
+    started = time.monotonic()
+    assert rendezvous(handlers[:2]) == [2, 2]
+    assert time.monotonic() - started < 20
+    state = stored_state(store)
+    assert handlers[2]._this_node not in state.participants and state.complete
+
+
 def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, make_node):
     # Heartbeats lapse after 60 s here: nothing below may wait for that.
     nodes = [make_node(keep_alive_max_attempt=60) for _ in range(3)]

@@ -2,8 +2,10 @@
 API, so that no agent is a single point of failure (the c10d backend's store lives in one agent)
 and etcd 3.6, which dropped the v2 API that torch's own etcd backends speak, works.
 
-* The rendezvous state is one key, ``<prefix>/<run_id>/state``; ``set_state`` is a transaction on
-  the key's mod_revision (the fencing token), so of two writers exactly one wins.
+* By default (``heartbeats=keys``) the round is one key and each node's heartbeat a leased key of
+  its own (:mod:`agent.rendezvous.etcd3_members`); with ``heartbeats=state``, torch's layout, the
+  whole state is one key, ``<prefix>/<run_id>/state``. Either way ``set_state`` is a transaction
+  on the round's mod_revision (the fencing token), so of two writers exactly one wins.
 * Keys are attached to a lease that the agent keeps alive: when every agent of a run is gone, the
   run's keys expire after ``lease_ttl`` seconds.
 * ``Etcd3Store`` gives the round's key-value needs (torch's RendezvousInfo) on the same etcd.
@@ -14,7 +16,7 @@ Registered as ``etcd3`` and ``etcd-v3`` (see :func:`register` and the ``torchrun
 point in pyproject.toml). Options (``--rdzv-conf`` / ``rendezvous.conf``): ``read_timeout``,
 ``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` (torch's etcd backend's names), ``user``,
 ``password_file`` (or ``password``, or TORCHREVIVE_ETCD_PASSWORD), ``key_prefix``, ``lease_ttl``,
-plus the dynamic rendezvous' own timeouts.
+``heartbeats``, plus the dynamic rendezvous' own timeouts.
 """
 
 from __future__ import annotations
@@ -321,11 +323,11 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def heartbeat_layout(params: RendezvousParameters) -> str:
-    """``heartbeats`` in rendezvous.conf: ``state`` (default: torch's layout, every heartbeat
-    inside the shared state, which every node rewrites each keep-alive) or ``keys`` (a leased key
-    per node, see etcd3_members: what a keep-alive costs etcd does not grow with the node count;
-    not yet the default: its lease must outlast an etcd restart, see the README)."""
-    layout = str(params.get("heartbeats", "state"))
+    """``heartbeats`` in rendezvous.conf: ``keys`` (default: a leased key per node, see
+    etcd3_members: what a keep-alive costs etcd does not grow with the node count) or ``state``
+    (torch's layout, every heartbeat inside the shared state, which every node rewrites each
+    keep-alive)."""
+    layout = str(params.get("heartbeats", "keys"))
     if layout not in HEARTBEAT_LAYOUTS:
         raise ValueError(f"rdzv-conf heartbeats={layout}: must be one of {', '.join(HEARTBEAT_LAYOUTS)}")
     return layout

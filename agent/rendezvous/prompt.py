@@ -138,6 +138,9 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                 self._acknowledge(ctx.state)
                 if self._may_complete_now(ctx, action):
                     action = RendezvousAction.MARK_RENDEZVOUS_COMPLETE
+                elif action == RendezvousAction.MARK_RENDEZVOUS_COMPLETE and self._leave_out_silent(ctx.state):
+                    self._state_holder.mark_dirty()
+                    continue
             if action == RendezvousAction.FINISH:
                 if isinstance(state_handler, RendezvousJoinOp) and self._node in self._state.participants:
                     self._previous_round = frozenset(str(node) for node in self._state.participants)
@@ -195,6 +198,20 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         if self._node in state.participants and not state.complete and self._acked_round != state.round:
             self.acks.ack(state.round, str(self._node))
             self._acked_round = state.round
+
+    def _leave_out_silent(self, state: RendezvousState) -> bool:
+        """At torch's last call, drop from this node's copy of the round the participants that never
+        said they are alive (carried over dead, most likely; a live one rejoins through the wait
+        list, as a node too late for torch's last call does). Whether any was dropped."""
+        if not self.rejoining:
+            return False
+        names = {str(node): node for node in state.participants}
+        silent = names.keys() - self.acks.acked(state.round, names)
+        for name in silent:
+            del state.participants[names[name]]
+        if silent and len(state.participants) < self._settings.min_nodes:
+            state.deadline = None
+        return bool(silent)
 
     def _may_complete_now(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
         """Whether this round can complete now rather than at torch's last call: this node (which
