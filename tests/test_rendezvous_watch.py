@@ -243,10 +243,7 @@ def first_change(watch: MembershipWatch, timeout: float = 10):
 
 def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
     nodes = [make_node() for _ in range(3)]
-    (first, _), (second, _), (third, _) = nodes
-    assert rendezvous([first, second, third]) == [3, 3, 3]
-    for _, executor in nodes:
-        executor.rejoining = True
+    first, second, third = formed(nodes)
     watch = MembershipWatch(first, ledger=nodes[0][1].ledger, poll_interval=0.05)
     watch.start_round()
     # The second node's agent restarts (a worker of its own failed): it moves the round on with
@@ -274,10 +271,7 @@ def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
 
 def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, make_node):
     nodes = [make_node() for _ in range(3)]
-    (first, _), (second, _), (third, _) = nodes
-    assert rendezvous([first, second, third]) == [3, 3, 3]
-    for _, executor in nodes:
-        executor.rejoining = True
+    first, second, third = formed(nodes)
     # The second node's watch reads only when asked: it does not see the third die by itself.
     watch = MembershipWatch(second, ledger=nodes[1][1].ledger, poll_interval=60)
     watch.start_round()
