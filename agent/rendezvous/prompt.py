@@ -19,12 +19,12 @@ joins the next, one write at a time, about three writes of an O(N) state per nod
   have: a re-rendezvous so costs two writes of the round, however many nodes there are;
 * once this node has been in a completed round, a round completes as soon as every live node
   (each node with a current heartbeat in the state: survivors and joining nodes alike) is a
-  participant and has said so, and so is every node of the previous round that is not known dead. A node that is
-  alive but has not joined yet is waited for, up to torch's last call: also one of the previous
-  round caught between leaving it and joining the next, when the state holds no heartbeat of it.
-  A lost one is gone from the state once its heartbeats lapse, or at once when its agent's
-  connection closed (:class:`~agent.rendezvous.node_ledger.NodeLedger`). The first round of a job
-  still waits out the last call, so that nodes starting a few seconds apart begin in one round;
+  participant and has said so. A node that is alive but has not said so yet is waited for, up to
+  torch's last call, which leaves it out. A lost one is gone from the state once its heartbeats
+  lapse, or at once when its agent's connection closed
+  (:class:`~agent.rendezvous.node_ledger.NodeLedger`), which is written back at once. The first
+  round of a job still waits out the last call, so that nodes starting a few seconds apart begin
+  in one round;
 * while waiting it re-reads the state every ``poll_interval`` instead of every second.
 
 It also records torch's rendezvous events without walking the stack for their names.
@@ -87,10 +87,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         self.rejoining = False
         """Set once this node has been in a completed round: from then on rounds move on in one
         write and complete early."""
-        self._previous_round: frozenset[str] = frozenset()
-        """The participants of the last round this node completed a join in."""
         self._completed_round: int | None = None
-        """The number of that round."""
+        """The last round this node completed a join in."""
         self._acked_round: int | None = None
         """The last round this node said it is alive in."""
 
@@ -120,6 +118,9 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         while action != RendezvousAction.FINISH:
             self._state_holder.sync()
             self._state = self._state_holder.state
+            if self.ledger.take_unwritten():  # a node declared dead left this copy: drop it for everyone now
+                self._state_holder.mark_dirty()
+                continue
             ctx = RendezvousContext(self._node, self._state, self._settings)
             if isinstance(state_handler, RendezvousExitOp) and self._carried_over(ctx.state):
                 if self._heartbeat_fresh(ctx):
@@ -143,7 +144,6 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                     continue
             if action == RendezvousAction.FINISH:
                 if isinstance(state_handler, RendezvousJoinOp) and self._node in self._state.participants:
-                    self._previous_round = frozenset(str(node) for node in self._state.participants)
                     self._completed_round = self._state.round
                 continue
             if action == RendezvousAction.ERROR_CLOSED:
@@ -227,9 +227,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         live = set(state.last_heartbeats) - state.redundancy_list
         if not live <= participants.keys():
             return False
+        # A node of the previous round missing here was left behind as dead by the node that moved
+        # the round on: nobody leaves a round by itself. The first participant completes the round
+        # (the others wait), once every participant said it is alive: one read, by one node.
         joined = {str(node) for node in participants}
-        if not all(self.ledger.is_dead(node) for node in self._previous_round - joined):
-            return False
-        # The first participant completes the round (the others wait), once every participant
-        # said it is alive: one read, by one node.
         return min(joined) == str(ctx.node) and self.acks.acked(state.round, joined) == joined
