@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -74,9 +74,10 @@ class Change:
 class MembershipWatch:
     """Compares the rendezvous state with the round this agent's workers run in.
 
-    The state is read by a background thread, every ``poll_interval`` and, with a backend that can
-    watch its state (etcd3), as soon as a change lands (with etcd3's heartbeat keys, where every
-    change lands so, every half heartbeat timeout otherwise). The monitor loop only compares the latest
+    The state is read by a background thread every ``poll_interval`` and, with a backend that can
+    watch its state (etcd3), as soon as a change lands; with etcd3's heartbeat keys, where every
+    change (a lapse too) lands so, on those wake-ups and otherwise only every half heartbeat
+    timeout. The monitor loop only compares the latest
     read with its round, so it never waits on the backend: while the store or etcd is unreachable,
     for however long, the reads fail (logged once per outage) and the workers keep training. Reads
     pause during a rendezvous, which uses the handler's state alone.
@@ -159,12 +160,19 @@ class MembershipWatch:
         with self._reading:
             pass
 
-    def start_round(self) -> Membership:
-        """Remember the round just completed and resume reading (call after each rendezvous)."""
+    def start_round(self, completed_round: int | None = None) -> Membership:
+        """Remember the round just completed and resume reading (call after each rendezvous).
+
+        ``completed_round``: the round this node's rendezvous completed in, where known. A peer may
+        have moved the round on since, carrying this node along: its workers still run the round
+        completed, and the first check reports the one after it."""
         self.pause()
         self._round_started = time.monotonic()
         self._reported_dead = frozenset()
-        self._round = self.read()
+        current = self.read()
+        if completed_round is not None and current.round > completed_round:
+            current = replace(current, round=completed_round)
+        self._round = current
         self._running.set()
         return self._round
 
@@ -214,8 +222,9 @@ class MembershipWatch:
         lost = frozenset(node for node in gone if self._ledger.is_dead(node))
         if lost:
             return Change("node_lost", lost=lost, failed_at=self.last_heartbeat(lost), workers_blocked=workers_healthy)
-        # A participant that left with a current heartbeat left by itself: its agent is restarting
-        # (for a joining node, or a failed worker of its own) and rejoins through the wait list.
+        # A participant that left with a current heartbeat left by itself, torch's way (a prompt
+        # executor moves the round on instead, unless the round it leaves never completed): its
+        # agent is restarting and rejoins through the wait list.
         if current.waiting or gone:
             return Change("node_joined", joined=current.waiting | gone, left=gone)
         return None

@@ -283,7 +283,8 @@ class RecoveryAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         if not self._standby:
             self._grad_accum_steps = grad_accum_steps(self._job, world_size)
-        membership = self._watch.start_round() if self._watch else None
+        completed = self._executor.completed_round if self._executor is not None else None
+        membership = self._watch.start_round(completed) if self._watch else None
         self._round = membership.round if membership else None
         if self._liveness is not None and membership is not None:
             self._liveness.start_round(store, self._watch.node, sorted(membership.participants))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -245,8 +246,8 @@ def goodput(recovery_s: float, snapshot_tiers: list[Tier], a: Assumptions) -> di
     newest committed snapshot (half an interval plus its commit latency, on average)."""
     lost = min(t.interval_s / 2 + t.commit_s for t in snapshot_tiers)
     overhead = sum(t.blocking_s / t.interval_s for t in snapshot_tiers)
-    trains = (1 - overhead) * (1 - (recovery_s + lost) / a.mtbf_s)
-    return {"goodput": max(0.0, trains), "lost_work_s": lost, "save_overhead": overhead}
+    trains = max(0.0, 1 - overhead) * max(0.0, 1 - (recovery_s + lost) / a.mtbf_s)
+    return {"goodput": trains, "lost_work_s": lost, "save_overhead": overhead}
 
 
 def simulate(a: Assumptions) -> dict:
@@ -268,12 +269,9 @@ def round_after_loss(path: Path, nodes: int) -> dict[str, float]:
                     if r.get("rerendezvous_s") is not None and r.get("detect_s") is not None)
     if len(points) < 2:
         raise ValueError(f"{path}: needs etcd3 re-rendezvous results at two node counts or more, has {len(points)}")
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x in xs))
-    return {"per_node_s": slope, "intercept_s": mean_y - slope * mean_x,
-            "round_after_loss_s": mean_y + slope * (nodes - mean_x), "points": points}
+    line = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return {"per_node_s": line.slope, "intercept_s": line.intercept,
+            "round_after_loss_s": line.intercept + line.slope * nodes, "points": points}
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import pytest
 from torch.distributed import TCPStore
@@ -37,11 +37,13 @@ would still be waiting for its 60 s last call)."""
 def make_node(store):
     handlers: list[DynamicRendezvousHandler] = []
 
-    def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S,
-             keep_alive_max_attempt: int = 2) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
+    def make(max_nodes: int = 3, last_call_s: float = LONG_LAST_CALL_S, keep_alive_max_attempt: int = 2,
+             name: str | None = None) -> tuple[DynamicRendezvousHandler, PromptOpExecutor]:
+        """A node; ``name``: its address (rank 0's store listens there), which its name starts with."""
         params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="prompt", min_nodes=1,
                                       max_nodes=max_nodes, join_timeout=JOIN_TIMEOUT_S, last_call_timeout=last_call_s,
-                                      keep_alive_interval=1, keep_alive_max_attempt=keep_alive_max_attempt)
+                                      keep_alive_interval=1, keep_alive_max_attempt=keep_alive_max_attempt,
+                                      local_addr=name)
         # A store client per node, as each agent has: one client's blocking read holds its socket.
         client = TCPStore("127.0.0.1", store.port, is_master=False)
         handler = create_handler(client, C10dRendezvousBackend(client, "prompt"), params)
@@ -289,4 +291,78 @@ def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, 
         assert change is not None and change.cause == "node_lost" and change.lost == {str(third._this_node)}
         watch.pause()
         assert second.next_rendezvous().world_size == 2 and moved.result().world_size == 2
+    watch.close()
+
+
+def in_wait_list(store: TCPStore, handlers) -> None:
+    """Wait until every one of ``handlers``' nodes waits in the stored wait list."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not {h._this_node for h in handlers} <= stored_state(store).wait_list:
+        assert time.monotonic() < deadline, "the new nodes never reached the wait list"
+        time.sleep(0.02)
+
+
+def test_a_new_node_named_first_completes_the_round_it_was_carried_into(store, make_node):
+    # The round's first participant completes it once all said they are alive. A node new to the
+    # job (it never completed a round) that is first by name does so too: with a 60 s last call,
+    # anything else fails on the 20 s join timeout.
+    nodes = [make_node(name="localhost") for _ in range(3)]
+    handlers = formed(nodes)
+    handlers[2]._stop_heartbeats()
+    dropped(store, handlers[2], by=handlers[0])
+    assert rendezvous(handlers[:2]) == [2, 2]
+    newcomer = make_node(name="127.0.0.1")[0]  # named first: "127.0.0.1_<pid>_<n>" < "localhost_..."
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(newcomer.next_rendezvous)
+        in_wait_list(store, [newcomer])
+        started = time.monotonic()
+        assert rendezvous(handlers[:2]) == [3, 3]  # the survivors' agents restart for the join
+        assert joined.result().world_size == 3
+    assert time.monotonic() - started < JOIN_TIMEOUT_S
+
+
+def test_nodes_beyond_max_nodes_wait_as_spares_and_fill_the_next_gap(store, make_node, monkeypatch):
+    # Two nodes join a round of two with room for one: the one carried in makes it full, the other
+    # waits as a spare (torch's redundancy list) instead of making the round one too many, which
+    # then never completes; when a participant dies the spare is carried into the next round.
+    # (Rank 0 publishes its address every round, as the agent makes it: torch's shared store does
+    # so only in a node's first round as rank 0, and a new node not rank 0 would wait 60 s for it.)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    nodes = [make_node(last_call_s=1) for _ in range(2)]
+    handlers = formed(nodes)
+    newcomers = [make_node(last_call_s=1)[0] for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        joined = [pool.submit(h.next_rendezvous) for h in newcomers]
+        in_wait_list(store, newcomers)
+        assert rendezvous(handlers) == [3, 3]
+        done, _ = wait(joined, timeout=JOIN_TIMEOUT_S, return_when=FIRST_COMPLETED)
+        assert len(done) == 1, "the new node carried in never finished its rendezvous"
+        (carried, carried_join), (spare, waits) = sorted(zip(newcomers, joined), key=lambda pair: pair[1] not in done)
+        assert carried_join.result().world_size == 3 and not waits.done()
+        state = stored_state(store)
+        assert state.complete and len(state.participants) == 3 and state.redundancy_list == {spare._this_node}
+        handlers[1]._stop_heartbeats()  # a participant dies: the spare fills its place
+        dropped(store, handlers[1], by=handlers[0])
+        assert rendezvous([handlers[0], carried]) == [3, 3]
+        assert waits.result(timeout=JOIN_TIMEOUT_S).world_size == 3
+
+
+def test_the_watch_reports_a_round_moved_on_before_it_started(store, make_node):
+    # A peer moves the round on (carrying this node along) between this node's rendezvous and its
+    # watch's start: the watch keeps the round this node's workers run in, and reports the next.
+    nodes = [make_node() for _ in range(3)]
+    first, second, third = formed(nodes)
+    watch = MembershipWatch(first, ledger=nodes[0][1].ledger, poll_interval=0.05)
+    before = stored_state(store).round
+    with ThreadPoolExecutor(1) as pool:
+        moved = pool.submit(second.next_rendezvous)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while stored_state(store).round == before:
+            assert time.monotonic() < deadline, "the second node never moved the round on"
+            time.sleep(0.02)
+        assert watch.start_round(nodes[0][1].completed_round).round == before
+        change = first_change(watch)
+        assert change.cause == "round_advanced" and change.lost == frozenset()
+        watch.pause()
+        assert rendezvous([first, third]) == [3, 3] and moved.result().world_size == 3
     watch.close()

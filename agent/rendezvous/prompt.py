@@ -16,7 +16,9 @@ joins the next, one write at a time, about three writes of an O(N) state per nod
   leave and finds itself a participant when it rendezvouses; its membership watch sees the round
   move on (:mod:`agent.membership`). Each participant then says it is alive with a key of its own
   (:mod:`agent.rendezvous.round_acks`), and the first participant completes the round once all
-  have: a re-rendezvous so costs two writes of the round, however many nodes there are;
+  have: a re-rendezvous so costs two writes of the round, however many nodes there are (where
+  heartbeats live in the round's state, c10d and etcd3's ``heartbeats=state``, each carried node
+  whose heartbeat is more than half an interval old also writes one, as its keep-alive would);
 * once this node has been in a completed round, a round completes as soon as every live node
   (each node with a current heartbeat in the state: survivors and joining nodes alike) is a
   participant and has said so. A node that is alive but has not said so yet is waited for, up to
@@ -85,12 +87,17 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         self.ledger = ledger
         self.acks = RoundAcks(torch_private.rendezvous_store(handler), handler.settings.run_id)
         self.rejoining = False
-        """Set once this node has been in a completed round: from then on rounds move on in one
-        write and complete early."""
+        """Set once this node has been in a completed round, or found the job's round complete
+        when it came to join: from then on rounds move on in one write and complete early."""
         self._completed_round: int | None = None
         """The last round this node completed a join in."""
         self._acked_round: int | None = None
         """The last round this node said it is alive in."""
+
+    @property
+    def completed_round(self) -> int | None:
+        """The last round this node completed a join in (None before the first)."""
+        return self._completed_round
 
     @classmethod
     def install(cls, handler: DynamicRendezvousHandler, *, poll_interval: float) -> PromptOpExecutor:
@@ -131,6 +138,12 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                 self._state_holder.mark_dirty()
                 continue
             action = state_handler(ctx, deadline)
+            if isinstance(state_handler, RendezvousJoinOp):
+                self.rejoining |= ctx.state.complete  # the job is past its first round: a new node too
+                if action == RendezvousAction.ADD_TO_PARTICIPANTS and len(ctx.state.participants) >= self._settings.max_nodes:
+                    # A round moved on is open while its participants say they are alive: torch,
+                    # whose rounds complete as soon as they are full, would add this one more.
+                    action = RendezvousAction.ADD_TO_REDUNDANCY_LIST
             if isinstance(state_handler, RendezvousExitOp) and self._may_move_on(ctx, action):
                 self._move_round_on()
                 self._state_holder.mark_dirty()
@@ -178,17 +191,20 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
 
     def _move_round_on(self) -> None:
         """The next round, in this node's copy of the state: every participant not known dead, then
-        the nodes waiting to join, up to ``max_nodes``; open until every one of them said it is
-        alive, or until torch's last call."""
+        the nodes waiting to join and the spares, up to ``max_nodes`` (the others are spares, on
+        torch's redundancy list); open until every one of them said it is alive, or until torch's last
+        call."""
         state, settings = self._state, self._settings
-        live = {node for node in state.last_heartbeats if not self.ledger.is_dead(str(node))} - state.redundancy_list
+        live = {node for node in state.last_heartbeats if not self.ledger.is_dead(str(node))}
         staying = [node for node in state.participants if node in live]
-        joining = sorted(state.wait_list & live)[:max(0, settings.max_nodes - len(staying))]
+        waiting = sorted((state.wait_list | state.redundancy_list) & live)
+        joining = waiting[:max(0, settings.max_nodes - len(staying))]
         now = datetime.now(timezone.utc)
         state.round += 1
         state.last_heartbeats[self._node] = now
         state.participants = {node: 0 for node in [*staying, *joining]}
-        state.wait_list -= set(joining)
+        state.wait_list -= set(waiting)
+        state.redundancy_list = set(waiting[len(joining):])  # no room: spares, as torch keeps them
         state.complete = False
         state.deadline = now + settings.timeout.last_call if len(state.participants) >= settings.min_nodes else None
 
@@ -214,8 +230,9 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         return bool(silent)
 
     def _may_complete_now(self, ctx: RendezvousContext, action: RendezvousAction) -> bool:
-        """Whether this round can complete now rather than at torch's last call: this node (which
-        was in a completed round before) waits as a participant, and every live node participates."""
+        """Whether this round can complete now rather than at torch's last call: the job is past its
+        first round, every live node participates, every participant said it is alive, and this
+        node is the first participant (by name)."""
         if not self.rejoining or action != RendezvousAction.SYNC:
             return False
         state = ctx.state

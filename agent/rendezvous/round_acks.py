@@ -29,10 +29,17 @@ class RoundAcks:
     def __init__(self, store: Any, run_id: str) -> None:
         self._store = store
         self._run_id = run_id
+        self._last_acked: str | None = None
+        """The key of this process's previous acknowledgment: gone with the next one."""
 
     def ack(self, round: int, node: str) -> None:
-        """``node`` is alive and a participant of ``round``."""
-        self._store.set(self._key(round, node), b"1")
+        """``node`` is alive and a participant of ``round``; its acknowledgment of an earlier round
+        (the last one made here) goes, so the store holds one key per node."""
+        key = self._key(round, node)
+        self._store.set(key, b"1")
+        if self._last_acked is not None and self._last_acked != key:
+            self._store.delete_key(self._last_acked)
+        self._last_acked = key
 
     def acked(self, round: int, nodes: Iterable[str]) -> set[str]:
         """Those of ``nodes`` that acknowledged ``round``."""

@@ -12,9 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 from datetime import datetime
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
