@@ -338,11 +338,14 @@ def run_case(settings: Settings, *, per_process: int, steady_s: float, phase_tim
         case.collect(lambda: len({e[1] for e in after_kill("reformed")}) >= nodes - 1, "re-rendezvous after the kill")
         detected = [e[2] - killed for e in after_kill("detected")]
         reformed = after_kill("reformed")
-        result.update(detect_s=max(detected), detect_p50_s=statistics.median(detected),
-                      rerendezvous_s=max(e[2] for e in reformed) - killed,
+        result.update(rerendezvous_s=max(e[2] for e in reformed) - killed,
                       causes=sorted({e[3] for e in after_kill("detected")}),
                       second_round_world_sizes=sorted({e[3] for e in reformed}),
                       changes_before_kill=len(case.seen("detected")) - len(detected))
+        if not detected:  # every survivor was re-forming rounds already: the kill was not what they saw
+            raise RuntimeError(f"no survivor's watch reported a change after the kill "
+                               f"({result['changes_before_kill']} changes before it)")
+        result.update(detect_s=max(detected), detect_p50_s=statistics.median(detected))
     except (TimeoutError, RuntimeError) as exc:
         result["error"] = str(exc)
     finally:
@@ -485,6 +488,8 @@ def main() -> None:
                 result["settings"] = asdict(settings)
                 report["results"].setdefault(backend, {})[str(nodes)] = result
                 print(_row(backend, nodes, result), flush=True)
+                if args.json:  # after every case: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(report, indent=2) + "\n")
     report["machine_after"] = machine()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -140,7 +140,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
             action = state_handler(ctx, deadline)
             if isinstance(state_handler, RendezvousJoinOp):
                 self.rejoining |= ctx.state.complete  # the job is past its first round: a new node too
-                if action == RendezvousAction.ADD_TO_PARTICIPANTS and len(ctx.state.participants) >= self._settings.max_nodes:
+                full = len(ctx.state.participants) >= self._settings.max_nodes
+                if action == RendezvousAction.ADD_TO_PARTICIPANTS and full:
                     # A round moved on is open while its participants say they are alive: torch,
                     # whose rounds complete as soon as they are full, would add this one more.
                     action = RendezvousAction.ADD_TO_REDUNDANCY_LIST
@@ -192,8 +193,8 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
     def _move_round_on(self) -> None:
         """The next round, in this node's copy of the state: every participant not known dead, then
         the nodes waiting to join and the spares, up to ``max_nodes`` (the others are spares, on
-        torch's redundancy list); open until every one of them said it is alive, or until torch's last
-        call."""
+        torch's redundancy list); open until every one of them said it is alive, or until torch's
+        last call."""
         state, settings = self._state, self._settings
         live = {node for node in state.last_heartbeats if not self.ledger.is_dead(str(node))}
         staying = [node for node in state.participants if node in live]
