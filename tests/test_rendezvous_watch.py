@@ -271,6 +271,14 @@ def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
     watch.close()
 
 
+def moved_on(store: TCPStore, before: int) -> None:
+    """Wait until a node moved the stored round on past ``before``."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while stored_state(store).round == before:
+        assert time.monotonic() < deadline, "no node moved the round on"
+        time.sleep(0.02)
+
+
 def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, make_node):
     nodes = [make_node() for _ in range(3)]
     first, second, third = formed(nodes)
@@ -282,10 +290,7 @@ def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, 
     before = stored_state(store).round
     with ThreadPoolExecutor(1) as pool:
         moved = pool.submit(first.next_rendezvous)
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while stored_state(store).round == before:
-            assert time.monotonic() < deadline, "the first node never moved the round on"
-            time.sleep(0.02)
+        moved_on(store, before)
         # Its first read finds the round moved on without the third: a loss, not its own eviction.
         change = watch.check(workers_healthy=True, now=True)
         assert change is not None and change.cause == "node_lost" and change.lost == {str(third._this_node)}
@@ -356,10 +361,7 @@ def test_the_watch_reports_a_round_moved_on_before_it_started(store, make_node):
     before = stored_state(store).round
     with ThreadPoolExecutor(1) as pool:
         moved = pool.submit(second.next_rendezvous)
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while stored_state(store).round == before:
-            assert time.monotonic() < deadline, "the second node never moved the round on"
-            time.sleep(0.02)
+        moved_on(store, before)
         assert watch.start_round(nodes[0][1].completed_round).round == before
         change = first_change(watch)
         assert change.cause == "round_advanced" and change.lost == frozenset()
