@@ -336,10 +336,11 @@ def run_case(settings: Settings, *, per_process: int, steady_s: float, phase_tim
             return [e for e in case.seen(kind) if e[2] >= killed]
 
         case.collect(lambda: len({e[1] for e in after_kill("reformed")}) >= nodes - 1, "re-rendezvous after the kill")
-        detected = [e[2] - killed for e in after_kill("detected")]
+        detections = after_kill("detected")
+        detected = [e[2] - killed for e in detections]
         reformed = after_kill("reformed")
         result.update(rerendezvous_s=max(e[2] for e in reformed) - killed,
-                      causes=sorted({e[3] for e in after_kill("detected")}),
+                      causes=sorted({e[3] for e in detections}),
                       second_round_world_sizes=sorted({e[3] for e in reformed}),
                       changes_before_kill=len(case.seen("detected")) - len(detected))
         if not detected:  # every survivor was re-forming rounds already: the kill was not what they saw
@@ -476,6 +477,11 @@ def main() -> None:
         parser.error("--nodes: every count must be at least 2 (one participant is killed)")
     report: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "machine_before": machine(), "steady_s": args.steady_s, "results": {}}
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="bench-control-plane-") as work:
         for backend in backends:
             for nodes in sizes:
@@ -488,11 +494,9 @@ def main() -> None:
                 result["settings"] = asdict(settings)
                 report["results"].setdefault(backend, {})[str(nodes)] = result
                 print(_row(backend, nodes, result), flush=True)
-                if args.json:  # after every case: a run cut short keeps what it measured
-                    args.json.write_text(json.dumps(report, indent=2) + "\n")
+                save()  # after every case: a run cut short keeps what it measured
     report["machine_after"] = machine()
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    save()
 
 
 def _row(backend: str, nodes: int, r: dict[str, Any]) -> str:

@@ -55,6 +55,14 @@ def make_node(store):
         handler._stop_heartbeats()
 
 
+def until(condition, failure: str) -> None:
+    """Wait until ``condition()`` holds; fail with ``failure`` after the join timeout."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
 def stored_state(store: TCPStore):
     stored = C10dRendezvousBackend(store, "prompt").get_state()
     return None if stored is None else pickle.loads(stored[0])
@@ -109,10 +117,8 @@ def rendezvous(handlers, *, store: TCPStore | None = None, late=None, late_by: f
 
     def join(handler):
         if handler is late:
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            while not all(waiting(store, h) for h in handlers if h is not late):
-                assert time.monotonic() < deadline, "the other nodes never started to wait"
-                time.sleep(0.02)
+            until(lambda: all(waiting(store, h) for h in handlers if h is not late),
+                  "the other nodes never started to wait")
             time.sleep(late_by)
         return handler.next_rendezvous().world_size
 
@@ -273,10 +279,7 @@ def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
 
 def moved_on(store: TCPStore, before: int) -> None:
     """Wait until a node moved the stored round on past ``before``."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while stored_state(store).round == before:
-        assert time.monotonic() < deadline, "no node moved the round on"
-        time.sleep(0.02)
+    until(lambda: stored_state(store).round != before, "no node moved the round on")
 
 
 def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, make_node):
@@ -301,10 +304,8 @@ def test_a_round_moved_on_without_a_node_is_a_loss_to_those_carried_over(store, 
 
 def in_wait_list(store: TCPStore, handlers) -> None:
     """Wait until every one of ``handlers``' nodes waits in the stored wait list."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not {h._this_node for h in handlers} <= stored_state(store).wait_list:
-        assert time.monotonic() < deadline, "the new nodes never reached the wait list"
-        time.sleep(0.02)
+    until(lambda: {h._this_node for h in handlers} <= stored_state(store).wait_list,
+          "the new nodes never reached the wait list")
 
 
 def test_a_new_node_named_first_completes_the_round_it_was_carried_into(store, make_node):

@@ -91,8 +91,6 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         when it came to join: from then on rounds move on in one write and complete early."""
         self._completed_round: int | None = None
         """The last round this node completed a join in."""
-        self._acked_round: int | None = None
-        """The last round this node said it is alive in."""
 
     @property
     def completed_round(self) -> int | None:
@@ -210,11 +208,10 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         state.deadline = now + settings.timeout.last_call if len(state.participants) >= settings.min_nodes else None
 
     def _acknowledge(self, state: RendezvousState) -> None:
-        """Say that this node is alive in the round it waits in as a participant (once a round; a
-        new node too, carried in from the wait list)."""
-        if self._node in state.participants and not state.complete and self._acked_round != state.round:
+        """Say that this node is alive in the round it waits in as a participant (once a round, as
+        :meth:`RoundAcks.ack` keeps it; a new node too, carried in from the wait list)."""
+        if self._node in state.participants and not state.complete:
             self.acks.ack(state.round, str(self._node))
-            self._acked_round = state.round
 
     def _leave_out_silent(self, state: RendezvousState) -> bool:
         """At torch's last call, drop from this node's copy of the round the participants that never

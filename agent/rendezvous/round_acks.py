@@ -33,11 +33,14 @@ class RoundAcks:
         """The key of this process's previous acknowledgment: gone with the next one."""
 
     def ack(self, round: int, node: str) -> None:
-        """``node`` is alive and a participant of ``round``; its acknowledgment of an earlier round
-        (the last one made here) goes, so the store holds one key per node."""
+        """``node`` is alive and a participant of ``round`` (once: again is a no-op); its
+        acknowledgment of an earlier round (the last one made here) goes, so the store holds one key
+        per node."""
         key = self._key(round, node)
+        if key == self._last_acked:
+            return
         self._store.set(key, b"1")
-        if self._last_acked is not None and self._last_acked != key:
+        if self._last_acked is not None:
             self._store.delete_key(self._last_acked)
         self._last_acked = key
 
