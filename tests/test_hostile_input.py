@@ -8,7 +8,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
+import subprocess
+import sys
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torchsnapshot
+from conftest import REPO, worker_env
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torchsnapshot.manifest import SnapshotMetadata
 
@@ -301,3 +305,57 @@ def test_checksum_record_naming_a_file_outside_is_refused(tmp_path):
     with pytest.raises(RestoreError, match=r"\.torchrevive_checksums\.json: 'files' is stored at '\.\./outside\.bin', "
                                            r"a path with '\.\.'"):
         check_snapshot(snap)
+
+
+# --- DCP: a data file shorter than its metadata says, before or while it is read ------------------
+
+TRUNCATED_DCP = """
+import os, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+import agent
+from agent.restore.dcp_reader import FastStorageReader
+
+path, victim, when = sys.argv[1:]
+
+
+class Truncating(DefaultLoadPlanner):
+    # Byte items load first: the file was mapped to read this one, and shrinks before the tensors are read.
+    def load_bytes(self, read_item, value):
+        super().load_bytes(read_item, value)
+        os.truncate(victim, 0)
+
+
+state = {"w": torch.zeros(4096), "step": 0}
+try:
+    if when == "before":
+        os.truncate(victim, os.path.getsize(victim) // 2)
+        agent.restore(path, state)
+    else:
+        dcp.load(state, storage_reader=FastStorageReader(path), planner=Truncating())
+except agent.RestoreError as exc:
+    print("refused: RestoreError", exc)
+except CheckpointException as exc:  # DCP wraps the reader's error in its own
+    [(failure, _)] = exc.failures.values()
+    print("refused:", type(failure).__name__, failure)
+"""
+
+
+@pytest.mark.parametrize("when, refusal", [
+    ("before", r" \(w\): bytes \d+\.\.\d+ lie outside the \d+ bytes that hold them; the checkpoint is damaged"),
+    ("during", r": 0 bytes, \d+ needed \(truncated while being restored\), for 'w'; the checkpoint is damaged"),
+])
+def test_a_dcp_file_truncated_before_or_while_it_is_read_raises_naming_it(tmp_path, when, refusal):
+    """A mapping touched past the end of its file raises SIGBUS, which kills the rank (so the
+    restore runs in a process of its own): each file's size is checked with the metadata, and
+    again before each item is read."""
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(4096.0), "step": 7}, storage_writer=dcp.FileSystemWriter(path, thread_count=1))
+    [victim] = path.glob("*.distcp")
+    done = subprocess.run([sys.executable, "-c", TRUNCATED_DCP, str(path), str(victim), when], cwd=REPO,
+                          env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the restore died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert re.search(rf"refused: RestoreError {re.escape(str(victim))}{refusal}: restore another one", done.stdout), \
+        done.stdout + done.stderr

@@ -151,8 +151,8 @@ def test_mappings_of_snapshot_files_are_read_only_and_shared(tmp_path):
     (tmp_path / "data").write_bytes(bytes(1 << 16))
     files = SnapshotFiles(tmp_path)
     try:
-        files.mapping("data")
-        maps = Path("/proc/self/maps").read_text().splitlines()
+        with files.mapped("data", 1 << 16):
+            maps = Path("/proc/self/maps").read_text().splitlines()
         [line] = [line for line in maps if line.endswith(str(tmp_path / "data"))]
         assert line.split()[1] == "r--s", line  # no write permission: nothing charged to the commit limit
     finally:
@@ -193,3 +193,55 @@ def test_pinned_staging_stays_within_its_budget(pinned_mb, io_threads):
     assert count * buffer_bytes <= pinned_mb << 20
     assert count >= 2 and buffer_bytes & (buffer_bytes - 1) == 0 and buffer_bytes <= 16 << 20
     assert count == 2 * io_threads or count * buffer_bytes > (pinned_mb << 20) // 2  # two a thread, or half the budget
+
+
+RESTORE_UNDER_FILE_LIMIT = """
+import os, resource, sys
+import torch
+import torchsnapshot
+import agent
+tensors = int(sys.argv[2])
+state = torchsnapshot.StateDict({f"t{i}": torch.zeros(256) for i in range(tensors)})
+open_now = len(os.listdir("/proc/self/fd"))
+limit = open_now + tensors // 2  # fewer descriptors than the snapshot has files
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+agent.restore(sys.argv[1], {"s": state}, io_threads=4, verify="off")
+assert all(torch.equal(state[f"t{i}"], torch.full((256,), float(i))) for i in range(tensors))
+print("restored under a limit of", limit, "descriptors")
+"""
+
+
+def test_a_snapshot_of_more_files_than_descriptors_restores(tmp_path, monkeypatch):
+    """Each reading thread keeps its descriptor of each file for the next copy, but never more
+    than a share of RLIMIT_NOFILE: a snapshot of many files (one a tensor, unbatched) restores
+    under a limit below its number of files."""
+    monkeypatch.setenv("TORCHSNAPSHOT_DISABLE_BATCHING", "1")
+    tensors = 120
+    torchsnapshot.Snapshot.take(str(tmp_path / "s"), {"s": torchsnapshot.StateDict(
+        {f"t{i}": torch.full((256,), float(i)) for i in range(tensors)})})
+    assert sum(1 for _ in (tmp_path / "s").rglob("t*")) == tensors
+    done = subprocess.run([sys.executable, "-c", RESTORE_UNDER_FILE_LIMIT, str(tmp_path / "s"), str(tensors)],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "restored" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_descriptors_kept_open_stay_within_the_budget(tmp_path):
+    """Reading 40 files with 4 threads keeps at most ``max_open`` descriptors and mappings open
+    between copies, and every copy still lands."""
+    values = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64)
+    for i in range(40):
+        (tmp_path / f"f{i}").write_bytes(values[i].numpy().tobytes())
+    chunks = tuple(StoredChunk((i, 0), (1, 64), f"f{i}", 0, 256, torch.float32, "buffer_protocol") for i in range(40))
+    stored = StoredTensor((40, 64), torch.float32, chunks, False)
+    strided = [Box((i, 8), (1, 8)) for i in range(0, 40, 2)]  # through mappings
+    dense = [Box((i, 0), (1, 64)) for i in range(1, 40, 2)]  # through descriptors
+    destinations = [torch.zeros(b.sizes) for b in strided + dense]
+    files = SnapshotFiles(tmp_path, max_open=6)
+    open_before = len(os.listdir("/proc/self/fd"))
+    try:
+        read_ops(plan_copies(stored, strided + dense, max_op_bytes=1 << 20), destinations, files, io_threads=4)
+        assert len(os.listdir("/proc/self/fd")) - open_before <= 6  # a mapping holds a descriptor of its own
+    finally:
+        files.close()
+    for box, got in zip(strided + dense, destinations):
+        assert torch.equal(got, values[box.offsets[0] : box.offsets[0] + 1, box.offsets[1] : box.offsets[1] + box.sizes[1]])

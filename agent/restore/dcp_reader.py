@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import pickle
 import threading
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from torch.futures import Future
 from agent.errors import RestoreError
 from agent.restore.locations import check_locations
 from agent.restore.pickles import TORCH_DTYPES, load_dcp_metadata, load_object
-from agent.restore.reader import SnapshotFiles, default_io_threads, release_pages
+from agent.restore.reader import SnapshotFiles, StorageReadError, default_io_threads, release_pages
 
 logger = logging.getLogger(__name__)
 _LOCAL_HEADER = 30
@@ -135,9 +137,8 @@ class FastStorageReader(FileSystemReader):
         ``weights_only=False``, so unless trusted, it is loaded safely here and the planner gets
         the result saved again by ``torch.save``, never the stored bytes."""
         info = self.storage_data[item.storage_index]
-        mapping = files.mapping(info.relative_path)
-        _check_span(len(mapping), info.offset, info.length, where=self._where(item))
-        payload = mapping[info.offset : info.offset + info.length]
+        with self._mapped(files, item) as mapping:
+            payload = mapping[info.offset : info.offset + info.length]
         if info.transform_descriptors:
             payload = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(payload)).read()
         if self.trust_pickles:
@@ -150,18 +151,18 @@ class FastStorageReader(FileSystemReader):
 
     def _copy(self, files: SnapshotFiles, item: ReadItem, target: torch.Tensor) -> int:
         raw = self._locate(files, item)
-        mapping = files.mapping(self.storage_data[item.storage_index].relative_path)
-        whole = torch.frombuffer(mapping, dtype=raw.dtype, count=raw.numel_span, offset=raw.byte_offset)
-        source = whole.as_strided(raw.shape, raw.stride)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            source = source.narrow(dim, start, length)
-        if target.shape != source.shape:
-            raise RestoreError(f"{self._where(item)}: the plan asks {list(source.shape)} elements for a destination "
-                               f"of {list(target.shape)}")
-        target.copy_(source)
-        nbytes = source.numel() * source.element_size()
-        del whole, source
-        release_pages(mapping, raw.byte_offset, raw.byte_offset + raw.numel_span * raw.dtype.itemsize)
+        with self._mapped(files, item) as mapping:
+            whole = torch.frombuffer(mapping, dtype=raw.dtype, count=raw.numel_span, offset=raw.byte_offset)
+            source = whole.as_strided(raw.shape, raw.stride)
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            if target.shape != source.shape:
+                raise RestoreError(f"{self._where(item)}: the plan asks {list(source.shape)} elements for a "
+                                   f"destination of {list(target.shape)}")
+            target.copy_(source)
+            nbytes = source.numel() * source.element_size()
+            del whole, source
+            release_pages(mapping, raw.byte_offset, raw.byte_offset + raw.numel_span * raw.dtype.itemsize)
         return nbytes
 
     def _locate(self, files: SnapshotFiles, item: ReadItem) -> _RawTensor:
@@ -169,9 +170,22 @@ class FastStorageReader(FileSystemReader):
         with self._lock:
             if key not in self._located:
                 info = self.storage_data[key]
-                self._located[key] = locate_saved_tensor(files.mapping(info.relative_path), info.offset, info.length,
-                                                         where=self._where(item))
+                with self._mapped(files, item) as mapping:
+                    self._located[key] = locate_saved_tensor(mapping, info.offset, info.length, where=self._where(item))
             return self._located[key]
+
+    @contextmanager
+    def _mapped(self, files: SnapshotFiles, item: ReadItem) -> Iterator[mmap.mmap]:
+        """The mapping of the item's file, once the item's bytes are checked to be in the file now:
+        a mapping touched past the end of its file (one shorter than the metadata says, or one
+        truncated since it was mapped) raises SIGBUS, which kills the process."""
+        info = self.storage_data[item.storage_index]
+        try:
+            with files.mapped(info.relative_path, info.offset + info.length) as mapping:
+                yield mapping
+        except StorageReadError as exc:
+            raise RestoreError(f"{exc}, for {item.storage_index.fqn!r}; the checkpoint is damaged: restore another "
+                               "one") from None
 
     def _where(self, item: ReadItem) -> str:
         """The item's file and key, for messages."""
@@ -179,8 +193,9 @@ class FastStorageReader(FileSystemReader):
 
 
 def _check_storage_data(root: Path, storage_data: dict[Any, Any], *, named_in: Path) -> None:
-    """Each item's index, file and byte range are what FileSystemWriter writes, and its file lies
-    inside the checkpoint."""
+    """Each item's index, file and byte range are what FileSystemWriter writes, its file lies
+    inside the checkpoint, and the file holds the item's bytes now (the reader checks again
+    before each item: a file may shrink while it is read)."""
     for index, info in storage_data.items():
         position = (getattr(info, "offset", None), getattr(info, "length", None))
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(info, "relative_path", None), str) \
@@ -188,6 +203,16 @@ def _check_storage_data(root: Path, storage_data: dict[Any, Any], *, named_in: P
             raise RestoreError(f"{named_in}: item {index!r} has no valid position ({info!r}); the checkpoint is "
                                "damaged: restore another one")
     check_locations(root, {info.relative_path: index.fqn for index, info in storage_data.items()}, named_in=named_in)
+    sizes: dict[str, int] = {}
+    for index, info in storage_data.items():
+        path = root / info.relative_path
+        if info.relative_path not in sizes:
+            try:
+                sizes[info.relative_path] = path.stat().st_size
+            except OSError as exc:
+                raise RestoreError(f"{path}: cannot be read ({exc.strerror}), needed by {index.fqn!r}; the "
+                                   "checkpoint is damaged: restore another one") from None
+        _check_span(sizes[info.relative_path], info.offset, info.length, where=f"{path} ({index.fqn})")
 
 
 def _check_span(size: int, offset: int, length: int, *, where: str) -> None:

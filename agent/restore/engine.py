@@ -87,6 +87,8 @@ class _Plan:
     objects: list[tuple[_Stateful, str, ObjectEntry]] = field(default_factory=list)
     holders: dict[str, str] = field(default_factory=dict)
     """file -> the first logical path read from it (for error messages)"""
+    keys: list[str] = field(default_factory=list)
+    """target -> the logical path it receives (for error messages)"""
     num_tensors: int = 0
 
 
@@ -124,9 +126,10 @@ def restore(
     Errors: a missing or damaged snapshot, a key or shape or dtype that does not match, raise
     RestoreError naming the file and key. All of that is checked before the first byte is
     copied, so after such an error the destination is untouched. An I/O failure during the copy
-    itself (a file vanishing mid-read) or a block failing its checksum can leave tensors partly
-    overwritten; then no ``load_state_dict`` has been called.
-    """
+    itself (a file vanishing mid-read), a block failing its checksum or a torch.save chunk that
+    does not hold its tensor can leave tensors partly overwritten; then no ``load_state_dict``
+    has been called. Damaged or crafted metadata is always a RestoreError, and no copy ever
+    writes past its destination."""
     started = time.perf_counter()
     root = Path(path)
     if is_dcp_checkpoint(root) and not (root / METADATA_FILE).exists():
@@ -146,13 +149,14 @@ def restore(
             checks, verified = _block_checks(root, plan, verify) if verify != "off" else ([], 0)
             for stateful, logical_path, entry in plan.objects:
                 stateful.values[logical_path] = _load_object(logical_path, entry, files, trust_pickles)
+            # The state dicts hold the destination tensors themselves: built now, before any byte is copied.
+            state_dicts = [(stateful, _inflated(root, stateful)) for stateful in sorted(statefuls, key=_load_order)]
             bytes_read = _read(root, plan, files, checks, io_threads=io_threads or default_io_threads(),
                                pinned_bytes=pinned_mb << 20)
         finally:
             files.close()
     exchanged = _exchange_stripes(plan.striped, world_size)
-    for stateful in sorted(statefuls, key=_load_order):
-        state_dict = inflate(stateful.containers, stateful.values, prefix=stateful.key)
+    for stateful, state_dict in state_dicts:
         if isinstance(stateful.obj, torch.nn.Module):
             stateful.obj.load_state_dict(state_dict, strict=strict)
         else:
@@ -165,8 +169,9 @@ def _read(root: Path, plan: _Plan, files: SnapshotFiles, checks: list, *, io_thr
     try:
         return read_ops(plan.ops, plan.targets, files, io_threads=io_threads, pinned_bytes=pinned_bytes, checks=checks)
     except StorageReadError as exc:
-        raise RestoreError(f"{exc}; it holds '{plan.holders.get(exc.location, '?')}': destination tensors may be "
-                           "partly overwritten and no state was loaded: restore again or from another snapshot") from exc
+        held = plan.keys[exc.target] if exc.target is not None else plan.holders.get(exc.location, "?")
+        raise RestoreError(f"{exc}; it holds '{held}': destination tensors may be partly overwritten and no state "
+                           "was loaded: restore again or from another snapshot") from exc
     except OSError as exc:
         raise RestoreError(f"{root}: reading failed mid-restore ({exc}); destination tensors may be partly "
                            "overwritten and no state was loaded: restore again or from another snapshot") from exc
@@ -264,10 +269,15 @@ def _plan_stateful(
         if is_container_entry(entry):
             stateful.containers[logical_path] = entry
         elif isinstance(entry, TENSOR_ENTRY_TYPES):
-            stored = stored_tensor(entry)
+            try:
+                stored = stored_tensor(entry)
+            except RestoreError as exc:
+                raise RestoreError(f"{files.path(METADATA_FILE)}: '{logical_path}': {exc}; the snapshot is damaged or "
+                                   "crafted: restore another one") from None
+            stored = _with_checked_files(logical_path, stored, files)
             value = flattened.get(logical_path)
             if not is_tensor_value(value) or _replaced(obj, value, stored):
-                value = allocate(stored, template_for(logical_path, templates))
+                value = _allocated(logical_path, stored, template_for(logical_path, templates), files)
             stateful.values[logical_path] = value
             _plan_tensor(logical_path, stored, destination_of(value), files, plan,
                          striping=striping, rank=rank, world_size=world_size)
@@ -280,6 +290,16 @@ def _plan_stateful(
             raise RestoreError(f"{files.path('')}: '{logical_path}' has an entry of type {entry.type!r} that this "
                                "version of torchrevive cannot restore")
     return stateful
+
+
+def _inflated(root: Path, stateful: _Stateful) -> Any:
+    """The stateful's state dict, its containers rebuilt as the metadata describes them."""
+    try:
+        return inflate(stateful.containers, stateful.values, prefix=stateful.key)
+    except Exception as exc:  # torchsnapshot's inflate raises whatever containers that do not fit make it hit
+        raise RestoreError(f"{root / METADATA_FILE}: the containers of '{stateful.key}' do not fit its values "
+                           f"({type(exc).__name__}: {exc}); the snapshot is damaged or crafted: restore another one"
+                           ) from exc
 
 
 def _load_order(stateful: _Stateful) -> tuple[bool, str]:
@@ -309,7 +329,6 @@ def _plan_tensor(
     if stored.dtype != dest.dtype:
         raise RestoreError(f"{where}: '{logical_path}' has dtype {stored.dtype} in the snapshot but "
                            f"{dest.dtype} in the destination; cast the model or restore a matching snapshot")
-    stored = _with_checked_files(logical_path, stored, files)
     boxes, local_tensors = dest.boxes, dest.local_tensors
     if (
         striping and stored.replicated and dest.is_plain and dest.value.is_contiguous()
@@ -327,8 +346,18 @@ def _plan_tensor(
         plan.holders.setdefault(chunk.location, logical_path)
     base = len(plan.targets)
     plan.targets.extend(local_tensors)
+    plan.keys.extend(logical_path for _ in local_tensors)
     plan.ops.extend(CopyOp(op.chunk, op.target + base, op.src_start, op.dst_start, op.sizes) for op in ops)
     plan.num_tensors += 1
+
+
+def _allocated(logical_path: str, stored: StoredTensor, template: torch.Tensor | None, files: SnapshotFiles) -> torch.Tensor:
+    """A new destination as stored (see :func:`allocate`); RestoreError when memory refuses it."""
+    try:
+        return allocate(stored, template)
+    except RuntimeError as exc:  # the stored shape is checked against the files' bytes, not against memory
+        raise RestoreError(f"{files.path(METADATA_FILE)}: '{logical_path}' of shape {list(stored.shape)} cannot be "
+                           f"allocated ({exc})") from exc
 
 
 def _with_checked_files(logical_path: str, stored: StoredTensor, files: SnapshotFiles) -> StoredTensor:
@@ -340,6 +369,9 @@ def _with_checked_files(logical_path: str, stored: StoredTensor, files: Snapshot
         except FileNotFoundError:
             raise RestoreError(f"{files.path(chunk.location)}: missing, needed by '{logical_path}'; the snapshot "
                                "is damaged: restore another one") from None
+        except OSError as exc:
+            raise RestoreError(f"{files.path(chunk.location)}: cannot be read ({exc.strerror}), needed by "
+                               f"'{logical_path}'; the snapshot is damaged: restore another one") from None
         except ValueError as exc:
             raise RestoreError(f"{files.path(chunk.location)}: {exc} for '{logical_path}'; the snapshot is damaged: "
                                "restore another one") from None
@@ -352,6 +384,9 @@ def _load_object(logical_path: str, entry: ObjectEntry, files: SnapshotFiles, tr
         payload = path.read_bytes()
     except FileNotFoundError:
         raise RestoreError(f"{path}: missing, needed by '{logical_path}'; the snapshot is damaged: restore another one") from None
+    except OSError as exc:
+        raise RestoreError(f"{path}: cannot be read ({exc.strerror}), needed by '{logical_path}'; the snapshot is "
+                           "damaged: restore another one") from None
     return load_object(payload, where=path, key=logical_path, kind=entry.obj_type, trust_pickles=trust_pickles)
 
 

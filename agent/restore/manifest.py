@@ -1,7 +1,8 @@
 """Snapshot metadata -> the entries one rank restores, and each tensor entry's stored chunks.
 
 The metadata is parsed by torchsnapshot's own code (``SnapshotMetadata.from_yaml`` and its
-entry classes); this module picks a rank's entries and turns tensor entries into boxes of bytes.
+entry classes) and checked once (:mod:`agent.restore.metadata_checks`): everything downstream
+trusts what passed. This module picks a rank's entries and turns tensor entries into boxes of bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torchsnapshot.serialization import Serializer, string_to_dtype
 
 from agent.errors import RestoreError
 from agent.restore.locations import check_locations
+from agent.restore.metadata_checks import check_metadata
 
 METADATA_FILE = ".snapshot_metadata"
 TENSOR_ENTRY_TYPES = (TensorEntry, ChunkedTensorEntry, DTensorEntry, ShardedTensorEntry)
@@ -72,9 +74,10 @@ def load_metadata(snapshot: Path) -> SnapshotMetadata:
         raise RestoreError(f"{path}: missing ({hint}); restore another snapshot") from None
     try:
         metadata = SnapshotMetadata.from_yaml(text)
-        stored_in = holders(metadata)
     except Exception as exc:  # torchsnapshot's parser raises whatever YAML or its dataclasses raise
         raise RestoreError(f"{path}: unreadable snapshot metadata ({type(exc).__name__}: {exc}); restore another snapshot") from exc
+    check_metadata(metadata, named_in=path)
+    stored_in = holders(metadata)
     check_locations(snapshot, {location: keys[0] for location, keys in stored_in.items()}, named_in=path)
     return metadata
 
