@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from agent.checkpoint.durable import write_file
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,23 @@ class CommitNotice:
         return None if self.previous_at is None else self.at + (self.at - self.previous_at)
 
 
-def write_notice(path: str | os.PathLike[str], *, step: int, tier: str) -> None:
-    """Record a commit of ``step`` (atomically: a reader sees the old notice or the new one)."""
+def write_notice(path: str | os.PathLike[str], *, step: int, tier: str) -> str | None:
+    """Record a commit of ``step`` (atomically: a reader sees the old notice or the new one).
+
+    Never raises: the commit it tells of has happened, and a notice that cannot be written (a full
+    disk, say) must not turn it into a failed save. Returns the error (also warned), else None.
+    Writers never collide (each writes a temporary file of its own): a node's storage save and
+    memory save may tell of their commits at the same moment, and the last one stays."""
     path = Path(path)
     previous = read_notice(path)
     notice = {"step": step, "tier": tier, "at": time.time(), "previous_at": previous.at if previous else None}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(notice))
-    os.replace(tmp, path)
+    try:
+        write_file(path, json.dumps(notice))
+    except OSError as exc:
+        error = f"{path}: cannot record the commit of step {step} ({tier}) for the agent: {exc}"
+        warnings.warn(error, stacklevel=2)
+        return error
+    return None
 
 
 def read_notice(path: str | os.PathLike[str]) -> CommitNotice | None:

@@ -7,3 +7,7 @@ class TorchreviveError(Exception):
 
 class RestoreError(TorchreviveError):
     """A snapshot cannot be restored into the given state (missing, damaged, or of another model)."""
+
+
+class StaleRoundError(TorchreviveError):
+    """A leader of a rendezvous round older than the job's newest tried to act for the job."""

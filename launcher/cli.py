@@ -20,7 +20,8 @@ commands:
            (torchrevive run --help lists them)
   inspect  PATH: what a snapshot holds (step, world size, size, tensors by dtype, committed)
   verify   PATH: check every byte of a snapshot against its checksums (exit 1 at the first bad one)
-  list     DIR: the snapshots of a checkpoint directory and their state
+  list     DIR: the snapshots of a checkpoint directory and their state (committed, uncommitted,
+           incomplete, quarantined: found damaged at a restore and set aside, with the reason)
 
 Replace `torchrun` with `torchrevive run` in any launch command.
 """
@@ -104,11 +105,12 @@ def list_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchrevive list", description="List the snapshots of a checkpoint dir.")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from agent.checkpoint.dirs import list_partial, list_snapshots
+    from agent.checkpoint.dirs import list_partial, list_quarantined, list_snapshots
     from agent.checkpoint.inspect import summarize
+    from agent.checkpoint.quarantine import quarantine_reason
 
-    partial = list_partial(args.dir)
-    snapshots = sorted(list_snapshots(args.dir) + partial)
+    partial, quarantined = list_partial(args.dir), list_quarantined(args.dir)
+    snapshots = sorted(list_snapshots(args.dir) + partial + quarantined)
     if not snapshots:
         print(f"{args.dir}: no step_<N> snapshots")
         return 0
@@ -122,7 +124,11 @@ def list_command(argv: Sequence[str]) -> int:
                 world, size = str(summary.world_size), _human(summary.size_bytes)
             except TorchreviveError:
                 pass
+        if (step, path) in quarantined:
+            state = "quarantined"  # damaged: no restore picks it; kept as evidence
         print(f"{step:8d}  {state:11s}  {world:>5s}  {size:>10s}  {path}")
+        if state == "quarantined":
+            print(f"{'':8s}  reason: {quarantine_reason(path) or 'not recorded'}")
     return 0
 
 

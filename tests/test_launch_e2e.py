@@ -20,8 +20,8 @@ from conftest import (
     STEADY_WORKER,
     TORCHREVIVE,
     free_port,
-    kill_leftovers,
     start_torchrevive,
+    stop_steady_job,
     wait_until,
     workers_ready,
 )
@@ -146,7 +146,8 @@ def test_example_config_trains_at_world_size_two_and_resumes(rdzv_endpoint, tmp_
     assert "mode=fsdp2" in output
     assert steps_logged(output) == [(1, 2), (2, 2), (3, 2)]
     # the committed snapshot, and the fencing token the round's leader wrote (no partial save left)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".torchrevive_round", "step_2"]
+    [fence, snapshot] = sorted(p.name for p in tmp_path.iterdir())
+    assert re.fullmatch(r"\.torchrevive_round\.\d+", fence) and snapshot == "step_2"
     # A second run resumes from the committed snapshot of step 2, with the same losses.
     [(code, resumed)] = run_nodes(1, [*args, "3"])
     assert code == 0, resumed
@@ -181,16 +182,6 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
     assert out.strip() == f"torchrevive run: error: {bad}: job.nnodes: '3:1' has min 3 > max 1; write MIN:MAX with MIN <= MAX"
 
 
-def stop_steady_job(proc: subprocess.Popen, out, pids: list[int]) -> tuple[int, str]:
-    (out / "stop").touch()
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        proc.kill()
-        kill_leftovers(pids)
-    return proc.returncode, output
-
-
 def test_a_signal_the_agent_handles_is_forwarded_to_the_workers(tmp_path):
     # torchrun --signals-to-handle: the agent turns SIGUSR1 into a shutdown that sends SIGUSR1 to
     # every worker (torch's own path); unhandled, SIGUSR1 would kill the agent and orphan them.
@@ -202,7 +193,7 @@ def test_a_signal_the_agent_handles_is_forwarded_to_the_workers(tmp_path):
     deadline = time.monotonic() + TIMEOUT_S  # the stop file must not end a worker before the signal reaches it
     while not all(p.exists() for p in recorded) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    code, output = stop_steady_job(proc, tmp_path, pids)
+    code, output = stop_steady_job(proc, tmp_path, pids, TIMEOUT_S)
     assert [p.read_text() for p in recorded] == ["SIGUSR1", "SIGUSR1"], output
     assert code != 0 and "SignalException" in output  # the agent stops as torchrun's does
 
@@ -228,7 +219,7 @@ def test_the_health_check_answers_on_torchruns_port_through_the_job(tmp_path):
         status, body = probe(port)
         assert status == 200 and body["alive"] and body["age_s"] < 60
     finally:
-        code, output = stop_steady_job(proc, tmp_path, pids)
+        code, output = stop_steady_job(proc, tmp_path, pids, TIMEOUT_S)
     assert code == 0, output
     assert probe(port) is None  # torch's shutdown stops it with the agent
 
@@ -259,7 +250,7 @@ def test_every_port_of_a_job_listens_on_the_configured_address_only(tmp_path, rd
         pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
         sockets = listening_sockets({proc.pid, *pids})
     finally:
-        code, output = stop_steady_job(proc, tmp_path, pids)
+        code, output = stop_steady_job(proc, tmp_path, pids, TIMEOUT_S)
     assert code == 0, output
     agent = sorted(port for _, port, pid in sockets if pid == proc.pid)
     assert {int(rdzv_endpoint.rsplit(":", 1)[1]), metrics, health} <= set(agent) and len(agent) == 6, sockets

@@ -215,7 +215,9 @@ class Checkpointer:
 
         A snapshot that fails to restore on any rank (damaged, checksum mismatch) gives way to the
         previous committed one, with a warning and a ``restore_fallback`` event; all ranks move on
-        together. When none restores, RestoreError.
+        together. A damaged one is quarantined (``step_<N>.quarantined``, a
+        ``snapshot_quarantined`` event): no round restores it again, and a save of its step goes
+        ahead. When none restores, RestoreError.
         """
         self.wait()
         self._first_step_pending = True
@@ -271,8 +273,8 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"{save.final}: saving step {step} failed ({error}); the partial snapshot was "
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
-        if self.commit_notice:
-            write_notice(self.commit_notice, step=step, tier="storage")
+        if self.commit_notice and (failed := write_notice(self.commit_notice, step=step, tier="storage")):
+            self.events.record("commit_notice_failed", step=step, error=failed)  # the save is committed all the same
         if rank(group) == 0:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
 

@@ -124,11 +124,18 @@ def load_checksums(root: Path) -> Checksums | None:
         return None
     except (OSError, ValueError) as exc:
         raise ChecksumError(f"{path}: unreadable checksum record ({exc}); the snapshot is damaged") from exc
-    if record.get("algorithm") != ALGORITHM:
-        raise ChecksumError(f"{path}: checksums use {record.get('algorithm')!r}; this torchrevive reads {ALGORITHM}")
-    files = {name: FileDigest(int(d["size"]), tuple(d["blocks"])) for name, d in record["files"].items()}
+    algorithm = record.get("algorithm") if isinstance(record, dict) else None
+    if algorithm != ALGORITHM:  # not bytes that differ from their record: a record this version cannot read
+        raise RestoreError(f"{path}: checksums use {algorithm!r}; this torchrevive reads {ALGORITHM}")
+    try:
+        files = {str(name): FileDigest(int(d["size"]), tuple(str(b) for b in d["blocks"]))
+                 for name, d in record["files"].items()}
+        block_bytes = int(record["block_bytes"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ChecksumError(f"{path}: malformed checksum record ({type(exc).__name__}: {exc}); the snapshot is "
+                            "damaged") from None
     check_locations(root, dict.fromkeys(files, "files"), named_in=path)
-    return Checksums(int(record["block_bytes"]), files)
+    return Checksums(block_bytes, files)
 
 
 def sample(location: str, blocks: Iterable[int]) -> list[int]:

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from agent.checkpoint.checksums import write_checksums
 from agent.checkpoint.collectives import from_rank0, gather, rank
 from agent.checkpoint.dirs import COMMIT_MARKER, fenced_round
-from agent.checkpoint.write import WriteRecord, fsync_dir
+from agent.checkpoint.durable import fsync_dir, write_file
+from agent.checkpoint.write import WriteRecord
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,7 @@ def _commit_on_rank0(save: Commit, files: dict[str, Any], *, world_size: int) ->
     try:
         write_checksums(save.written, files)
         marker = {"step": save.step, "world_size": world_size, "round": save.round, "committed_at": time.time()}
-        tmp = save.written / (COMMIT_MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, save.written / COMMIT_MARKER)
-        fsync_dir(save.written)
+        write_file(save.written / COMMIT_MARKER, json.dumps(marker))
         if (stale := _stale(save)) is not None:
             return stale
         os.rename(save.written, save.final)  # refused (ENOTEMPTY) over an existing snapshot

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.checkpoint.checksums import ChecksumError, load_checksums, verify_blocks
+from agent.checkpoint.checksums import ChecksumError, Checksums, check_sizes, load_checksums, verify_blocks
 from agent.errors import RestoreError
 from agent.restore.manifest import (
     TENSOR_ENTRY_TYPES,
@@ -35,14 +35,36 @@ def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], No
                    on_total: Callable[[int], None] | None = None) -> CheckReport:
     """Check ``path``; raise RestoreError (ChecksumError for bad bytes) naming the first bad file
     and what it holds. ``on_total`` learns the bytes that will be hashed, before any is."""
-    metadata = load_metadata(path)
-    stored_in = holders(metadata)
+    structure = check_structure(path)
+    if structure.checksums is None:
+        return CheckReport(len(structure.stored_in), 0, checksummed=False)
+    if on_total is not None:
+        on_total(structure.checksums.total_bytes)
+    wanted = {name: range(len(digest.blocks)) for name, digest in structure.checksums.files.items()}
+    checked = verify_blocks(path, structure.checksums, wanted, structure.describe, threads=threads, progress=progress)
+    return CheckReport(len(wanted), checked, checksummed=True)
 
-    def describe(location: str) -> str:
-        keys = stored_in.get(location, [])
+
+@dataclass(frozen=True)
+class Structure:
+    """A snapshot whose structure checked out: which keys each file holds, its checksum record."""
+
+    stored_in: dict[str, list[str]]
+    checksums: Checksums | None
+
+    def describe(self, location: str) -> str:
+        """What a file holds, for an error message."""
+        keys = self.stored_in.get(location, [])
         held = f"'{keys[0]}'" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "") if keys else "no manifest key"
         return f"it holds {held}"
 
+
+def check_structure(path: Path) -> Structure:
+    """What can be checked without reading the data (file sizes only, no hashing): the metadata
+    loads, every file it names is there and long enough for its chunks, and with a checksum
+    record, the record covers every such file and each file it lists has its committed size.
+    RestoreError (ChecksumError against the record) naming the first bad file."""
+    metadata = load_metadata(path)
     for key, entry in metadata.manifest.items():
         if not isinstance(entry, TENSOR_ENTRY_TYPES) or not getattr(entry, "shards", True):
             continue
@@ -54,14 +76,10 @@ def check_snapshot(path: Path, *, threads: int = 4, progress: Callable[[int], No
                 raise RestoreError(f"{location}: missing, needed by '{key}'") from None
             except ValueError as exc:
                 raise RestoreError(f"{location}: {exc} for '{key}'") from None
-    checksums = load_checksums(path)
-    if checksums is None:
-        return CheckReport(len(stored_in), 0, checksummed=False)
-    if on_total is not None:
-        on_total(checksums.total_bytes)
-    wanted = {name: range(len(digest.blocks)) for name, digest in checksums.files.items()}
-    missing = sorted(set(stored_in) - set(wanted))
-    if missing:
-        raise ChecksumError(f"{path / missing[0]}: has no checksum; {describe(missing[0])}")
-    checked = verify_blocks(path, checksums, wanted, describe, threads=threads, progress=progress)
-    return CheckReport(len(wanted), checked, checksummed=True)
+    structure = Structure(holders(metadata), load_checksums(path))
+    if structure.checksums is not None:
+        missing = sorted(set(structure.stored_in) - set(structure.checksums.files))
+        if missing:
+            raise ChecksumError(f"{path / missing[0]}: has no checksum; {structure.describe(missing[0])}")
+        check_sizes(path, structure.checksums, structure.checksums.files, structure.describe)
+    return structure

@@ -26,6 +26,7 @@ from torchsnapshot.io_types import ReadIO, StoragePlugin, WriteIO
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from agent.checkpoint.checksums import FileDigest, digest_buffer
+from agent.checkpoint.durable import fsync_dir
 
 PROTOCOL = "torchrevive"
 _RECORD_OPTION = "torchrevive_record"
@@ -123,11 +124,3 @@ def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[st
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the commit
         record.fail(f"torchsnapshot failed writing {path}: {type(exc).__name__}: {exc}")
     return record
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
