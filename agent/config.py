@@ -134,7 +134,10 @@ class CheckpointSection:
     memory_interval_steps: int = 0
     """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
     memory_dir: str | None = None
-    """The node's memory directory (default: /dev/shm/torchrevive-<job.id>)."""
+    """Where a node's agent makes its run's memory directory, torchrevive-<job.id> (default:
+    /dev/shm): a tmpfs of this user's or root's that no other user can write to unless it is
+    sticky. The directory is the live agent's alone: removed at its end, or by the run's next agent
+    on the node when its agent died."""
     memory_secret_file: str | None = None
     """A file (mode 600) holding the secret agents prove to each other; default: one drawn by the
     first agent and shared through the rendezvous store."""

@@ -6,6 +6,7 @@ full tmpfs each leave the storage tier in charge."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -14,11 +15,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from conftest import REPO, free_port
 
+from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.events import read_events
 from agent.memory.layout import KEY_FILE, MemorySnapshot
 from agent.memory.peer_files import PeerFileClient, read_key
@@ -68,6 +71,12 @@ def test_a_crafted_file_name_in_a_choice_is_never_pulled(tmp_path):
     # No holder address is given: a name that got through would fail looking one up.
     assert tier._pull(tmp_path / "node" / "r4" / "step_3", 4, choice, {}, ["../../planted", "/abs"]) == 0
     assert not (tmp_path / "planted").exists()
+
+
+def as_memory_snapshot_of(snapshot: Path, run: str) -> None:
+    """Make a storage snapshot's commit marker a memory snapshot's of ``run`` (which names its run)."""
+    marker = json.loads((snapshot / COMMIT_MARKER).read_text())
+    (snapshot / COMMIT_MARKER).write_text(json.dumps({**marker, "tier": "memory", "run": run}))
 
 
 def committed_in_memory_after_storage(events: list[dict]) -> list[dict]:
@@ -172,7 +181,7 @@ def test_a_damaged_memory_file_falls_back_to_storage(tmp_path):
             os.kill(pid, signal.SIGSTOP)
         # Flip one byte in the middle of every data file node 0 holds, in its own tmpfs.
         flip = ("import pathlib, sys\n"
-                "for p in pathlib.Path(sys.argv[1]).glob('r*/step_*/**/*'):\n"
+                "for p in pathlib.Path(sys.argv[1]).glob('*/r*/step_*/**/*'):\n"
                 "    if p.is_file() and not p.name.startswith('.') and p.stat().st_size > 64:\n"
                 "        b = bytearray(p.read_bytes()); b[len(b) // 2] ^= 1; p.write_bytes(b)\n")
         subprocess.run(["nsenter", "--target", str(cluster.nodes[0].pid), "--mount", "--", sys.executable, "-c", flip,
@@ -260,7 +269,7 @@ def test_agents_share_one_secret_find_their_buddies_and_free_their_ram_at_the_en
     finally:
         for tier in tiers:
             tier.close()
-    assert all(not any(tier.root.iterdir()) for tier in tiers)
+    assert all(not tier.root.exists() and tier.root.parent.is_dir() for tier in tiers)  # each run's own directory
 
 
 def test_a_pull_ahead_takes_what_a_node_lacks_from_live_peers_of_its_round_only(tmp_path):
@@ -280,11 +289,12 @@ def test_a_pull_ahead_takes_what_a_node_lacks_from_live_peers_of_its_round_only(
     files = sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
     frozen = socket.create_server(("127.0.0.1", 0))  # accepts into its backlog, never answers
     store = dist.PrefixStore("torch.rendezvous.job.4", dist.HashStore())
-    store.set("torchrevive/memory/4/address/2", "127.0.0.1:%d" % frozen.getsockname()[1])
+    store.underlying_store.set("torchrevive/memory/4/address/2", "127.0.0.1:%d" % frozen.getsockname()[1])
     tiers = [MemoryTier(tmp_path / f"node{g}", host="127.0.0.1", secret_file=None) for g in (0, 1)]
     try:
         tiers[1].start_round(store, 4, 1, 3)
         tiers[0].start_round(store, 4, 0, 3)
+        as_memory_snapshot_of(written, tiers[1].run_id)
         shutil.copytree(written, tiers[1].root / "r4" / "step_5")  # the peer holds all of it
         mine = tiers[0].root / "r4" / "step_5"
         mine.mkdir(parents=True)

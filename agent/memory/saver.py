@@ -8,7 +8,8 @@ All of it runs in the background on a gloo group of its own. A save still in fli
 is due is skipped (every rank decides together). A failure (tmpfs full, the buddy gone) is a
 warning and a ``memory_save_failed`` event, never an exception, and the node frees what it held of
 that snapshot: the storage tier goes on as if the memory tier were off, and the next save has the
-room.
+room. A committed snapshot is never freed: a failure after the commit point (the commit notice,
+pruning, the event) is a warning, and a rank that never learns the commit's verdict keeps its files.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from agent.commit_notice import write_notice
 from agent.events import EventLog
 from agent.memory.layout import KEY_FILE, MemorySnapshot, discard, prune
 from agent.memory.peer_files import PeerError, PeerFileClient, parse_address, read_key
+from agent.memory.run_dir import read_run
 
 
 class MemorySaver:
@@ -55,6 +57,8 @@ class MemorySaver:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
         self._buddy = parse_address(buddy) if buddy else None
         self._secret = read_key(self.root / KEY_FILE) if buddy else b""
+        self.run = read_run(self.root) if buddy else ""
+        """The rendezvous run this node's agent serves: each commit marker names it."""
         self._local_rank, self.events, self._commit_notice = local_rank, events, commit_notice
         self._stager = Stager()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory")
@@ -89,35 +93,57 @@ class MemorySaver:
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], replicated: list[str],
                           group: dist.ProcessGroup | None, started: float) -> None:
-        try:
-            self._write_and_commit_or_raise(step, staged, replicated, group, started)
-        except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
-            self._failed(MemorySnapshot(self.round, step), f"{type(exc).__name__}: {exc}")
-
-    def _write_and_commit_or_raise(self, step: int, staged: dict[str, Any], replicated: list[str],
-                                   group: dist.ProcessGroup | None, started: float) -> None:
+        """Write, replicate and commit; report the outcome. Only a snapshot known not to be
+        committed is freed: what happens after the commit point never undoes it."""
         snapshot = MemorySnapshot(self.round, step)
         path = self.root / snapshot.relative
-        record = write_snapshot(path, staged, replicated=replicated, group=group)
-        committed_bytes = 0
+        try:
+            record = write_snapshot(path, staged, replicated=replicated, group=group)
+            error = record.error or self._replicate(path, snapshot, record.files)
+        except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
+            self._failed(snapshot, f"{type(exc).__name__}: {exc}")  # this rank never reached the commit
+            return
+        committed: list[int] = []
+        """Rank 0: the bytes committed, once its commit is durable."""
 
         def on_rank0(files: dict[str, FileDigest], world_size: int) -> str | None:
-            nonlocal committed_bytes
-            committed_bytes = sum(d.size for d in files.values())
-            return self._commit_on_rank0(path, snapshot, files, world_size=world_size)
+            error = self._commit_on_rank0(path, snapshot, files, world_size=world_size)
+            if error is None:
+                committed.append(sum(d.size for d in files.values()))
+            return error
 
-        error = agree_and_commit(record.error or self._replicate(path, snapshot, record.files), record.files, group,
-                                 on_rank0)
+        try:
+            error = agree_and_commit(error, record.files, group, on_rank0)
+        except Exception as exc:  # noqa: BLE001 - the verdict never came (a peer died meanwhile)
+            if not committed:  # rank 0 knows it did not commit; any other rank cannot know: it keeps its files
+                self._failed(snapshot, f"{type(exc).__name__}: {exc}", outcome_known=rank(group) == 0)
+                return
         if error is not None:
             self._failed(snapshot, error)
             return
+        self._after_commit(snapshot, path, committed[0] if committed else 0, started, group)
+
+    def _after_commit(self, snapshot: MemorySnapshot, path: Path, committed_bytes: int, started: float,
+                      group: dist.ProcessGroup | None) -> None:
+        """The bookkeeping of a committed snapshot; each step that fails is a warning, and the
+        snapshot stays committed."""
+        steps: list[tuple[str, Callable[[], object]]] = []
         if self._local_rank == 0:
-            prune(self.root, snapshot)
+            steps.append(("pruning the older snapshots", lambda: prune(self.root, snapshot)))
         if self._commit_notice:
-            write_notice(self._commit_notice, step=step, tier="memory")
+            notice = self._commit_notice
+            steps.append(("writing the commit notice", lambda: write_notice(notice, step=snapshot.step, tier="memory")))
         if rank(group) == 0:
-            self.events.record("memory_save_committed", step=step, snapshot=str(path),
-                               seconds=time.perf_counter() - started, bytes=committed_bytes)
+            steps.append(("recording the commit", lambda: self.events.record(
+                "memory_save_committed", step=snapshot.step, snapshot=str(path),
+                seconds=time.perf_counter() - started, bytes=committed_bytes)))
+        for what, run in steps:
+            try:
+                run()
+            except Exception as exc:  # noqa: BLE001 - the snapshot is committed: nothing after the commit may undo it
+                cause = f"{what} failed ({type(exc).__name__}: {exc})"
+                self._warn_once(cause, f"memory snapshot of step {snapshot.step} committed, but {cause}; the "
+                                       "snapshot stays")
 
     def _replicate(self, path: Path, snapshot: MemorySnapshot, files: Mapping[str, FileDigest]) -> str | None:
         """Push this rank's files to the buddy; the error, if any."""
@@ -139,7 +165,7 @@ class MemorySaver:
             write_checksums(path, files)
             marker = path / (COMMIT_MARKER + ".tmp")
             marker.write_text(json.dumps({"step": snapshot.step, "world_size": world_size, "round": snapshot.round,
-                                          "committed_at": time.time(), "tier": "memory"}))
+                                          "committed_at": time.time(), "tier": "memory", "run": self.run}))
             with PeerFileClient(self._buddy, self._secret, round=self.round) as client:
                 client.put(path / CHECKSUMS_FILE, f"{snapshot.relative}/{CHECKSUMS_FILE}")
                 client.put(marker, f"{snapshot.relative}/{COMMIT_MARKER}")
@@ -148,13 +174,19 @@ class MemorySaver:
             return f"committing {path}: {exc}"
         return None
 
-    def _failed(self, snapshot: MemorySnapshot, error: str) -> None:
-        """Report a save that was not committed, and free what the node holds of it."""
-        if self._local_rank == 0:
+    def _failed(self, snapshot: MemorySnapshot, error: str, *, outcome_known: bool = True) -> None:
+        """Report a save that was not committed, and free what the node holds of it; when its
+        outcome is not known here (rank 0 may have committed it), keep it: the next commit prunes it."""
+        if self._local_rank == 0 and outcome_known:
             discard(self.root, snapshot)
         if rank(self._group) == 0:
             self.events.record("memory_save_failed", step=snapshot.step, error=error)
-        if error not in self._warned:  # once per distinct cause: saves may run every step
-            self._warned.add(error)
-            warnings.warn(f"memory snapshot of step {snapshot.step} not committed ({error}); the storage tier is "
-                          "unaffected", stacklevel=2)
+        kept = "" if outcome_known else "; its commit's outcome is unknown here, so this node keeps its files"
+        self._warn_once(error, f"memory snapshot of step {snapshot.step} not committed ({error}){kept}; the storage "
+                               "tier is unaffected")
+
+    def _warn_once(self, cause: str, message: str) -> None:
+        """Warn once per distinct cause: saves may run every step."""
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(message, stacklevel=3)
