@@ -5,22 +5,22 @@ progress time, a port, a timeout), and calls it from its agent; the implementati
 Meta only logs "No health check server started". This one serves it: any GET answers 200 while the
 agent made progress within ``timeout`` seconds and 503 after, with a JSON body
 ``{"alive", "last_progress", "age_s"}``. Like the metrics port it is unauthenticated: it listens on
-``observability.metrics_addr`` (127.0.0.1 unless the config says otherwise).
+``observability.metrics_addr`` (127.0.0.1 unless the config says otherwise), with bounded
+connections (:mod:`agent.http_endpoint`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from torch.distributed.elastic.agent.server.health_check_server import HealthCheckServer
 from torch.distributed.elastic.agent.server.local_elastic_agent import TORCHELASTIC_HEALTH_CHECK_PORT
 
 from agent.config import ConfigError
+from agent.http_endpoint import HttpEndpoint, Response
 
 ALIVE_TIMEOUT_S = 60
 """Seconds without progress after which the agent counts as dead (torch's agent uses 60)."""
@@ -32,28 +32,25 @@ class HttpHealthCheckServer(HealthCheckServer):
     def __init__(self, alive_callback: Callable[[], int], port: int, timeout: int, *, host: str) -> None:
         super().__init__(alive_callback, port, timeout)
         self._host = host
-        self._httpd: ThreadingHTTPServer | None = None
+        self._endpoint: HttpEndpoint | None = None
 
     @property
     def port(self) -> int:
         """The port it listens on once started."""
-        return self._httpd.server_address[1] if self._httpd is not None else self._port
+        return self._endpoint.port if self._endpoint is not None else self._port
 
     def start(self) -> None:
         try:
-            self._httpd = ThreadingHTTPServer((self._host, self._port), self._handler_class())
+            self._endpoint = HttpEndpoint(self._host, self._port, self._respond, name="health-check")
         except OSError as exc:
             raise ConfigError(f"{TORCHELASTIC_HEALTH_CHECK_PORT}={self._port}: cannot listen on {self._host}:"
                               f"{self._port} ({exc.strerror}); pick a free port, or another "
                               "observability.metrics_addr") from exc
-        self._httpd.daemon_threads = True
-        threading.Thread(target=self._httpd.serve_forever, name="torchrevive-health", daemon=True).start()
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
 
     def status(self) -> tuple[int, dict[str, object]]:
         """(HTTP status, body) for a probe now."""
@@ -62,23 +59,9 @@ class HttpHealthCheckServer(HealthCheckServer):
         alive = age <= self._timeout
         return (200 if alive else 503), {"alive": alive, "last_progress": last, "age_s": round(age, 3)}
 
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                code, body = server.status()
-                payload = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:  # probes every few seconds: no log line each
-                pass
-
-        return Handler
+    def _respond(self) -> Response:
+        code, body = self.status()
+        return code, "application/json", json.dumps(body).encode()
 
 
 def from_environment(alive_callback: Callable[[], int], *, host: str) -> HttpHealthCheckServer | None:

@@ -1,14 +1,18 @@
 """agent.liveness with real processes: a watched agent killed is declared dead within a moment; one
-that ends on purpose, one frozen for a while, one sending what agents never send, and one beyond the
-watcher cap are not; an address reached before and no longer listening is dead, one never reached
-is not. End to end: survivors of
-a killed node see it lost from its closed connection, not from its heartbeats."""
+that ends on purpose, one frozen for a while, one sending what agents never send, and one whose
+connection is reset while it still listens are not; an address reached before and no longer
+listening is dead, one never reached is not; a published address that is not the node's is never
+connected to; a flood of idle connections to a peer's listener does not stop its death being seen.
+End to end: survivors of a killed node see it lost from its closed connection, not from its
+heartbeats."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -16,7 +20,15 @@ import time
 
 import pytest
 
-from agent.liveness import ADDRESS_KEY, FULL, GOODBYE, MAX_WATCHERS, PeerLiveness, watched_peers
+from agent.liveness import (
+    ADDRESS_KEY,
+    GOODBYE,
+    HELLO,
+    MAX_UNPROVEN,
+    PeerLiveness,
+    checked_address,
+    watched_peers,
+)
 from agent.events import read_events
 
 from conftest import REPO
@@ -25,7 +37,9 @@ from test_recovery_e2e import harness_args, local_cluster
 PEER = textwrap.dedent("""
     import signal, sys, time
     from torch.distributed import TCPStore
+    from agent import listener_limits
     from agent.liveness import PeerLiveness
+    listener_limits.HANDSHAKE_TIMEOUT_S = float(sys.argv[2])
     store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
     liveness = PeerLiveness("127.0.0.1", on_dead=lambda node, at: None)
     signal.signal(signal.SIGTERM, lambda *_: (liveness.close(), sys.exit(0)))
@@ -36,12 +50,15 @@ PEER = textwrap.dedent("""
 """)
 SILENCE_S = 2.0
 """How long a watcher must stay quiet where no death happened."""
+PEER_HANDSHAKE_TIMEOUT_S = 2.0
+"""The peer's deadline for a hello (10 s in a real agent)."""
 
 
 @pytest.fixture
 def peer(store):
     """A peer agent's liveness in a process of its own, published in ``store`` as node "peer"."""
-    proc = subprocess.Popen([sys.executable, "-c", PEER, str(store.port)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", PEER, str(store.port), str(PEER_HANDSHAKE_TIMEOUT_S)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     yield proc
     proc.kill()
@@ -58,8 +75,8 @@ def watcher(store):
     liveness.close()
 
 
-def watching(liveness: PeerLiveness, node: str = "peer") -> None:
-    deadline = time.monotonic() + 10
+def watching(liveness: PeerLiveness, node: str = "peer", timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
     while node not in liveness._watched:
         assert time.monotonic() < deadline, f"never connected to {node}"
         time.sleep(0.02)
@@ -140,27 +157,85 @@ def test_a_peer_that_sends_what_agents_never_send_is_not_declared(store, watcher
     assert "peer" not in watcher[1]._watched
 
 
-def test_watchers_beyond_the_cap_are_told_so_and_do_not_declare(store, watcher):
-    deaths, liveness = watcher
-    strangers = [socket.create_connection(("127.0.0.1", int(liveness.address.rsplit(":", 1)[1])))
-                 for _ in range(MAX_WATCHERS)]
+def test_a_flood_of_idle_connections_does_not_stop_a_death_being_seen(store, peer):
+    host, port = checked_address("peer", store.get(ADDRESS_KEY.format(node="peer")).decode())
+    flood = [socket.create_connection((host, port)) for _ in range(2 * MAX_UNPROVEN)]  # opened first, held
+    deaths: queue.Queue = queue.Queue()
+    liveness = PeerLiveness("127.0.0.1", on_dead=lambda node, at: deaths.put((node, at)))
     try:
-        for stranger in strangers:  # a stranger gets nothing from a listener
-            stranger.settimeout(0.01)
-            with pytest.raises(socket.timeout):
-                stranger.recv(1)
-        late = PeerLiveness("127.0.0.1", on_dead=lambda node, at: deaths.put((node, at)))
-        late.start_round(store, "late", ["late", "watcher"])
-        with pytest.raises(queue.Empty):
-            deaths.get(timeout=SILENCE_S)
-        assert "watcher" not in late._watched
-        late.close()
-        probe = socket.create_connection(("127.0.0.1", int(liveness.address.rsplit(":", 1)[1])))
-        assert probe.recv(1) == FULL
-        probe.close()
+        liveness.start_round(store, "watcher", ["peer", "watcher"])
+        watching(liveness)
+        with pytest.raises(queue.Empty):  # refused for now is not dead
+            deaths.get(timeout=PEER_HANDSHAKE_TIMEOUT_S + 2 * SILENCE_S)  # by then the flood is cut, the watcher in
+        killed = time.time()
+        peer.kill()
+        node, at = deaths.get(timeout=5)
+        assert node == "peer" and 0 <= at - killed < 2.0
     finally:
-        for stranger in strangers:
-            stranger.close()
+        liveness.close()
+        for sock in flood:
+            sock.close()
+
+
+def reset(connection: socket.socket) -> None:
+    """Close ``connection`` with a reset (RST), as a middlebox or a kernel under pressure may."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    connection.close()
+
+
+def test_a_reset_connection_is_dead_only_once_the_peer_no_longer_listens(store, watcher):
+    deaths, liveness = watcher
+    server = socket.create_server(("127.0.0.1", 0))
+    store.set(ADDRESS_KEY.format(node="peer"), f"127.0.0.1:{server.getsockname()[1]}")
+    server.settimeout(10)
+    first, _ = server.accept()
+    first.settimeout(10)
+    assert first.recv(64) == HELLO + b"peer\n"
+    watching(liveness)
+    reset(first)  # the connection goes, the peer still listens: not dead, watched again
+    second, _ = server.accept()
+    second.settimeout(10)
+    assert second.recv(64) == HELLO + b"peer\n"
+    with pytest.raises(queue.Empty):
+        deaths.get(timeout=SILENCE_S)
+    watching(liveness)
+    closed = time.time()
+    server.close()  # now nothing listens: the reconnect after the reset fails
+    reset(second)
+    node, at = deaths.get(timeout=5)
+    assert node == "peer" and 0 <= at - closed < 1.0
+
+
+def test_published_addresses_are_checked_before_any_connection():
+    assert checked_address("peer", "127.0.0.1:80") == ("127.0.0.1", 80)
+    assert checked_address("peer", "[::1]:80") == ("::1", 80)
+    assert checked_address("localhost_4242_0", "127.0.0.1:80") == ("127.0.0.1", 80)  # torch's name: addr_pid_localid
+    for published, reason in [("127.0.0.1", "not host:port"), ("127.0.0.1:0", "port in 1..65535"),
+                              ("127.0.0.1:65536", "port in 1..65535"), ("127.0.0.1:x", "not host:port"),
+                              ("evil.example:80", "does not name an IP address"),
+                              ("0.0.0.0:80", "not the address of one host"), ("224.0.0.1:80", "not the address")]:
+        with pytest.raises(ValueError, match=reason):
+            checked_address("peer", published)
+    with pytest.raises(ValueError, match=r"'127.0.0.2:80' is not an address of 127.0.0.1, where the rendezvous knows"):
+        checked_address("127.0.0.1_4242_0", "127.0.0.2:80")
+
+
+def test_an_address_that_is_not_the_nodes_is_never_connected_to(store, caplog):
+    peer = "127.0.0.1_4242_0"  # the rendezvous knows it at 127.0.0.1; its published address says 127.0.0.2
+    elsewhere = socket.create_server(("127.0.0.2", 0))
+    elsewhere.settimeout(SILENCE_S)
+    store.set(ADDRESS_KEY.format(node=peer), f"127.0.0.2:{elsewhere.getsockname()[1]}")
+    liveness = PeerLiveness("127.0.0.1", on_dead=lambda node, at: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="agent.liveness"):
+            liveness.start_round(store, "watcher", [peer, "watcher"])
+            with pytest.raises(socket.timeout):
+                elsewhere.accept()
+        assert "is not an address of 127.0.0.1, where the rendezvous knows 127.0.0.1_4242_0" in caplog.text
+        assert peer not in liveness._watched
+    finally:
+        liveness.close()
+        elsewhere.close()
 
 
 def test_survivors_see_a_killed_node_lost_from_its_closed_connection(tmp_path):
