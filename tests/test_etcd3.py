@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -121,6 +122,10 @@ def test_store(etcd):
     from datetime import timedelta
     with pytest.raises(LookupError, match=r"keys \['never'\] under /test/store/ not set within 1 s"):
         store.wait(["never"], timedelta(seconds=1))
+    many = [f"many/{i}" for i in range(150)]  # more than one transaction's worth
+    store.multi_set(many, ["v"] * len(many))
+    store.delete_keys([*many, "never", "a"])
+    assert store.keys_under("") == ["c", "n"]
 
 
 def test_an_unreachable_endpoint_fails_with_one_clear_message():
@@ -229,6 +234,25 @@ def test_password_options_and_their_errors(tmp_path, monkeypatch):
         options_from(params_for("127.0.0.1:1", user="root"))
     with pytest.raises(ValueError, match="a password but no user"):
         options_from(params_for("127.0.0.1:1", password_file=str(secret)))
+
+
+def test_a_password_without_tls_is_warned_of_once_with_the_fix(tmp_path, caplog):
+    endpoint = "127.0.0.1:3"  # an endpoint no other test warns about: the warning is once per endpoint
+    fix = r"--rdzv-conf protocol=https,ca_cert=/path/to/ca.pem"
+    with pytest.warns(UserWarning, match=rf"user root's password to {endpoint} without TLS.*{fix}"):
+        options_from(params_for(endpoint, user="root", password=PASSWORD))
+    assert [r for r in caplog.records if endpoint in r.getMessage() and "without TLS" in r.getMessage()]
+    caplog.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails: once is enough
+        options_from(params_for(endpoint, user="root", password=PASSWORD))
+        options_from(params_for("127.0.0.1:4", user="root", password=PASSWORD, ca_cert=str(tmp_path / "ca.pem")))
+        options_from(params_for("127.0.0.1:5"))  # no password: nothing to leak
+    assert not caplog.records
+    with pytest.raises(ValueError, match="protocol=https without ca_cert"):
+        options_from(params_for(endpoint, protocol="https"))
+    with pytest.raises(ValueError, match="protocol=ftp: must be http or https"):
+        options_from(params_for(endpoint, protocol="ftp"))
 
 
 def test_a_client_replaced_by_one_thread_stays_open_for_another(etcd):

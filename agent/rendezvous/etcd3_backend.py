@@ -14,7 +14,8 @@ and etcd 3.6, which dropped the v2 API that torch's own etcd backends speak, wor
 
 Registered as ``etcd3`` and ``etcd-v3`` (see :func:`register` and the ``torchrun.handlers`` entry
 point in pyproject.toml). Options (``--rdzv-conf`` / ``rendezvous.conf``): ``read_timeout``,
-``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` (torch's etcd backend's names), ``user``,
+``protocol`` (``https`` goes with ``ca_cert``), ``ca_cert``, ``ssl_cert``, ``ssl_cert_key``
+(torch's etcd backend's names), ``user``,
 ``password_file`` (or ``password``, or TORCHREVIVE_ETCD_PASSWORD), ``key_prefix``, ``lease_ttl``,
 ``heartbeats``, plus the dynamic rendezvous' own timeouts.
 """
@@ -25,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +47,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 # rendezvous package, which etcd3_client imports, so etcd3_client may be half-imported here.
 from agent import torch_private
 from agent.rendezvous import etcd3_client
-from agent.rendezvous.etcd3_members import Etcd3MembersBackend
+from agent.rendezvous.checked_backend import CheckedBackend
+from agent.rendezvous.etcd3_members import MAX_DELETES, Etcd3MembersBackend
 
 if TYPE_CHECKING:
     from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
@@ -115,6 +118,11 @@ class Etcd3RendezvousBackend(RendezvousBackend):
     @property
     def name(self) -> str:
         return "etcd3"
+
+    @property
+    def key(self) -> str:
+        """The etcd key the state is kept under."""
+        return self._key
 
     def get_state(self) -> tuple[bytes, Token] | None:
         value, meta = self._connection.call(lambda c: c.get(self._key))
@@ -245,6 +253,13 @@ class Etcd3Store(Store):
     def delete_key(self, key: str) -> bool:
         return bool(self._connection.call(lambda c: c.delete(self._key(key))))
 
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete ``keys`` (those that exist), MAX_DELETES to a transaction."""
+        for start in range(0, len(keys), MAX_DELETES):
+            batch = [self._key(key) for key in keys[start:start + MAX_DELETES]]
+            self._connection.call(lambda c, batch=batch: c.transaction(
+                compare=[], success=[c.transactions.delete(key) for key in batch], failure=[]))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
@@ -266,15 +281,49 @@ def options_from(params: RendezvousParameters) -> Etcd3Options:
         raise ValueError(f"rdzv-conf read_timeout={read_timeout}: must be a positive number of seconds")
     user = params.get("user")
     from_environment = os.environ.pop(PASSWORD_ENV, None)
-    return etcd3_client.Etcd3Options(
+    options = etcd3_client.Etcd3Options(
         endpoints=endpoints,
-        ca_cert=params.get("ca_cert"),
+        ca_cert=_ca_cert(params),
         cert=params.get("ssl_cert"),
         cert_key=params.get("ssl_cert_key"),
         user=user,
         password=_password(params, from_environment) if user is not None else _no_password(params),
         read_timeout=float(read_timeout),
     )
+    if options.password is not None and options.ca_cert is None:
+        _warn_plaintext_password(params.endpoint, str(user))
+    return options
+
+
+def _ca_cert(params: RendezvousParameters) -> str | None:
+    """``ca_cert``, which turns TLS on; torch's ``protocol`` is accepted, and ``https`` without a
+    CA refused (it would connect in plaintext, unlike what it says)."""
+    ca_cert = params.get("ca_cert")
+    protocol = str(params.get("protocol", "http" if ca_cert is None else "https"))
+    if protocol not in ("http", "https"):
+        raise ValueError(f"rdzv-conf protocol={protocol}: must be http or https")
+    if (protocol == "https") != (ca_cert is not None):
+        raise ValueError(f"rdzv-conf protocol={protocol} with{'out' if ca_cert is None else ''} ca_cert: TLS is on "
+                         "exactly when ca_cert names the CA that signed etcd's certificate; give both "
+                         "protocol=https,ca_cert=FILE, or neither")
+    return ca_cert
+
+
+_warned_plaintext: set[str] = set()
+"""The endpoints already warned of (a password sent without TLS): once each per process."""
+
+
+def _warn_plaintext_password(endpoint: str, user: str) -> None:
+    """A password over plaintext can be read by anyone on the path, who can then write the
+    rendezvous: say so once, with the fix."""
+    if endpoint in _warned_plaintext:
+        return
+    _warned_plaintext.add(endpoint)
+    message = (f"the etcd3 rendezvous sends user {user}'s password to {endpoint} without TLS: anyone on the "
+               "network path can read it and then rewrite the rendezvous. Serve etcd over TLS and give its CA: "
+               "--rdzv-conf protocol=https,ca_cert=/path/to/ca.pem (rendezvous.conf)")
+    warnings.warn(message, UserWarning, stacklevel=3)
+    logger.warning(message)
 
 
 def _password(params: RendezvousParameters, from_environment: str | None) -> str:
@@ -316,8 +365,8 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = Etcd3Store(connection, f"{prefix}/{params.run_id}/store", lease)
     handler = create_handler(store, backend, params)
     if isinstance(backend, Etcd3MembersBackend):
-
         backend.bind_node(torch_private.this_node(handler))
+    CheckedBackend.install(handler, f"the etcd key {backend.key} (at {params.endpoint})")
     _tolerate_outages(handler, connection)
     return handler
 

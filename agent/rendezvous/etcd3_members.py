@@ -276,6 +276,11 @@ class Etcd3MembersBackend(RendezvousBackend):
     def name(self) -> str:
         return "etcd3"
 
+    @property
+    def key(self) -> str:
+        """The etcd key the round is kept under."""
+        return self._mirror.round_key
+
     def bind_node(self, node: str) -> None:
         """The handler's own node (torch's ``addr_pid_localid``)."""
         self._node = node
@@ -371,7 +376,7 @@ class Etcd3MembersBackend(RendezvousBackend):
         if view.round is None:
             return None
         if self._decoded[0] != view.revision:
-            self._decoded = (view.revision, round_state.decode(view.round))
+            self._decoded = (view.revision, round_state.decode(view.round, f"the etcd key {self.key}"))
         return self._decoded[1]
 
     def _state_of(self, view: MembersView) -> tuple[bytes, Token] | None:

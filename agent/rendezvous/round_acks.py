@@ -44,6 +44,11 @@ class RoundAcks:
             self._store.delete_key(self._last_acked)
         self._last_acked = key
 
+    def keys(self, round: int, nodes: Iterable[str]) -> list[str]:
+        """The keys of ``nodes``' acknowledgments of ``round`` in the store (to delete them once a
+        later round formed: none is read again)."""
+        return [self._key(round, node) for node in nodes]
+
     def acked(self, round: int, nodes: Iterable[str]) -> set[str]:
         """Those of ``nodes`` that acknowledged ``round``."""
         nodes = set(nodes)
