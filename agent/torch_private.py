@@ -16,13 +16,13 @@ import contextlib
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
-from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousSettings,
@@ -94,6 +94,25 @@ def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
         multiprocessing_api.get_subprocess_handler = original
 
 
+@contextlib.contextmanager
+def worker_environment_added(environment: Mapping[str, str]) -> Iterator[None]:
+    """Within: LocalElasticAgent's ``_start_workers`` starts each worker with ``environment``
+    added to the variables torch sets for it (torch's value wins for a name both set), spawned,
+    forked or run as a function alike, without touching this process's own environment."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    original = local_elastic_agent.start_processes
+
+    def start_processes(*args: Any, envs: dict[int, dict[str, str]], **kwargs: Any) -> Any:
+        return original(*args, envs={rank: {**environment, **env} for rank, env in envs.items()}, **kwargs)
+
+    local_elastic_agent.start_processes = start_processes
+    try:
+        yield
+    finally:
+        local_elastic_agent.start_processes = original
+
+
 def this_node(handler: DynamicRendezvousHandler) -> str:
     """The handler's node as torch names it in the rendezvous state (``addr_pid_localid``)."""
     return repr(handler._this_node)
@@ -127,6 +146,20 @@ def rendezvous_store(handler: DynamicRendezvousHandler) -> Any:
     return handler._store
 
 
+def round_key(handler: DynamicRendezvousHandler, round: int, key: str) -> str:
+    """``key`` of the store torch gives the agents of rendezvous round ``round``, as named in the
+    handler's store (torch's ``_wrap_store`` prefixes it so, through a PrefixStore)."""
+    return f"torch.rendezvous.{handler.settings.run_id}.{round}/{key}"
+
+
+def torch_round_keys(nodes: int) -> list[str]:
+    """The keys torch's agent writes in a round's store of ``nodes`` nodes: each node's role and
+    assigned ranks (``SimpleElasticAgent._assign_worker_ranks``), the bootstrap store's address."""
+    per_node = ("torchelastic/role_info/{}", "torchelastic/assigned_ranks/{}")
+    return ([name.format(rank) for rank in range(nodes) for name in per_node]
+            + [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY])
+
+
 def executor_parts(handler: DynamicRendezvousHandler) -> tuple[NodeDesc, Any, RendezvousSettings]:
     """What torch's operation executor is made of: the handler's node, state holder and settings."""
     return handler._this_node, handler._state_holder, handler._settings
@@ -153,6 +186,12 @@ def synced_state(handler: DynamicRendezvousHandler) -> Iterator[Any]:
 def state_backend(handler: DynamicRendezvousHandler) -> Any:
     """The RendezvousBackend ``handler`` keeps its state in (c10d's, etcd3's)."""
     return handler._state_holder._backend
+
+
+def set_state_backend(handler: DynamicRendezvousHandler, backend: Any) -> None:
+    """Make ``handler``'s state holder keep its state in ``backend``: the holder ``pickle.loads``
+    whatever bytes its backend returns."""
+    handler._state_holder._backend = backend
 
 
 def wrap_state_cleanup(handler: DynamicRendezvousHandler, wrap: Callable[[Any, Callable[[], None]], Callable[[], None]]) -> None:

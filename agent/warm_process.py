@@ -7,7 +7,9 @@ but the main one, CUDA not initialized), says ready, and then serves one kind of
 command line, environment, working directory and standard streams (passed as descriptors). For
 each it forks twice: the middle process exits at once, so the worker is re-parented to the agent
 (a child subreaper, :mod:`agent.warm_workers`) and is the agent's child as a spawned worker is.
-The warm process replies with the worker's PID once that has happened.
+The warm process replies with the worker's PID once that has happened. The warm process and each
+worker die with the agent (:mod:`agent.worker_lifetime`); a worker does not die with the warm
+process, which is not its parent.
 
 The worker then becomes what ``python -u script.py args`` would be: a session of its own, that
 command line as its process title, default signal handling, the streams on descriptors 0-2, the environment and directory it was given,
@@ -37,9 +39,10 @@ from typing import Any
 
 import setproctitle
 
+from agent.worker_lifetime import die_with
+
 MAX_MESSAGE = 1 << 20
 """The largest request (JSON: command line and environment) the warm process reads."""
-_PR_SET_PDEATHSIG = 1
 _ARG_END_FIELD = 49
 """The field of /proc/PID/stat (numbered from 1) that holds where the command line ends."""
 
@@ -58,10 +61,11 @@ class WorkerRequest:
     cwd: str
 
 
-def main(fd: int, preload: list[str]) -> None:
+def main(fd: int, agent_pid: int, preload: list[str]) -> None:
     """The warm process's life: import ``preload``, serve requests on the socket ``fd``; returns
-    only in a forked worker, after which the caller runs nothing but :func:`run_worker`."""
-    _die_with_parent()
+    only in a forked worker, after which the caller runs nothing but :func:`run_worker`. It and
+    its workers die with the agent, ``agent_pid``."""
+    die_with(agent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops the workers
     channel = socket.socket(fileno=fd)
     started = time.monotonic()
@@ -75,11 +79,11 @@ def main(fd: int, preload: list[str]) -> None:
         channel.send(json.dumps({"error": problem, "lasting": True}).encode())
         return os._exit(0)
     channel.send(json.dumps({"ready": True, "seconds": time.monotonic() - started}).encode())
-    request = _serve(channel)
+    request = _serve(channel, agent_pid)
     run_worker(request)
 
 
-def _serve(channel: socket.socket) -> WorkerRequest:
+def _serve(channel: socket.socket, agent_pid: int) -> WorkerRequest:
     """Answer requests until the agent goes (then exit); return the request in a forked worker."""
     while True:
         try:
@@ -90,13 +94,13 @@ def _serve(channel: socket.socket) -> WorkerRequest:
             os._exit(0)
         fields = json.loads(message)
         request = WorkerRequest(**fields)
-        if _fork_worker(channel, fds):  # in the worker
+        if _fork_worker(channel, fds, agent_pid):  # in the worker
             return request
         for fd in fds:
             os.close(fd)
 
 
-def _fork_worker(channel: socket.socket, fds: list[int]) -> bool:
+def _fork_worker(channel: socket.socket, fds: list[int], agent_pid: int) -> bool:
     """Fork twice; in the worker, put ``fds`` on 0, 1, 2 and return True. In the warm process,
     reply with the worker's PID (once the middle process is gone) and return False."""
     hazard = _fork_hazard()
@@ -105,7 +109,7 @@ def _fork_worker(channel: socket.socket, fds: list[int]) -> bool:
         return False
     pid_read, pid_write = os.pipe()
     middle = os.fork()
-    if middle == 0 and _in_middle(pid_write):  # in the worker
+    if middle == 0 and _in_middle(pid_write, agent_pid):  # in the worker
         os.close(pid_read)
         os.close(pid_write)
         channel.close()
@@ -120,16 +124,19 @@ def _fork_worker(channel: socket.socket, fds: list[int]) -> bool:
     return False
 
 
-def _in_middle(pid_write: int) -> bool:
+def _in_middle(pid_write: int, agent_pid: int) -> bool:
     """In the middle process: fork the worker, then exit. The worker starts a session of its
-    own and only then hands its PID to the warm process (so that the agent, once it has the PID,
-    can signal the worker's process group), and returns True."""
+    own and, once re-parented to the agent, dies with it; only then it hands its PID to the warm
+    process (so that the agent, once it has the PID, can signal the worker's process group, and
+    the worker cannot outlive it), and returns True."""
+    middle = os.getpid()
     try:
         worker = os.fork()
     except BaseException:
         os._exit(1)
     if worker == 0:
         os.setsid()
+        die_with(agent_pid, after_parent=middle)
         os.write(pid_write, str(os.getpid()).encode())
         return True
     os._exit(0)
@@ -224,11 +231,3 @@ def _fork_hazard() -> str:
     if torch is not None and torch.cuda.is_initialized():
         return "an import initialized CUDA in the warm process; a forked worker could not use it"
     return ""
-
-
-def _die_with_parent() -> None:
-    """Have the kernel end this process when the agent that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:
-        os._exit(0)

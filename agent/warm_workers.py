@@ -11,6 +11,10 @@ A worker spawns as before, with the reason in the ``workers_started`` event, whe
 could not be the same process: another interpreter or flags (``--no-python``, numactl binding), an
 environment variable that differs from the warm process's (other than the round's own), or a warm
 process that failed, is gone, or is not ready in time.
+
+Spawned or forked, a worker dies with its agent (:mod:`agent.worker_lifetime`). As a subreaper,
+the agent also adopts what its workers leave behind (a killed worker's data-loader processes):
+:func:`keep_reaping_orphans` reaps those as they exit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -33,6 +38,7 @@ import psutil
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from agent.warm_process import MAX_MESSAGE
+from agent.worker_lifetime import dying_with_agent
 
 ALWAYS_PRELOADED = ("torch", "torch.distributed", "agent.checkpoint.checkpointer", "agent.restore.engine",
                     "agent.elastic_sampler")
@@ -46,7 +52,9 @@ INTERPRETER_FLAGS = ("-u",)
 """What torchrun puts between the interpreter and the script; the warm process runs with them."""
 ENVIRONMENT_CHANGED = "environment variables differ from the warm process's"
 _PR_SET_CHILD_SUBREAPER = 36
-_START = "from agent.warm_process import main; import sys; main(int(sys.argv[1]), sys.argv[2:])"
+_START = "from agent.warm_process import main; import sys; main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])"
+ORPHAN_REAP_INTERVAL_S = 1.0
+"""How often the agent reaps exited orphans it adopted (they are zombies until then)."""
 
 
 class WarmProcess:
@@ -70,7 +78,7 @@ class WarmProcess:
         self._channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._process = subprocess.Popen(
-                [sys.executable, *INTERPRETER_FLAGS, "-c", _START, str(theirs.fileno()), *self.preload],
+                [sys.executable, *INTERPRETER_FLAGS, "-c", _START, str(theirs.fileno()), str(os.getpid()), *self.preload],
                 env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
 
     @property
@@ -219,20 +227,30 @@ class AdoptedProcess:
         return self.returncode
 
 
-class WarmSubprocessHandler(SubprocessHandler):
+class SpawnedSubprocessHandler(SubprocessHandler):
+    """torch's SubprocessHandler whose worker, spawned as torch spawns it (a session of its own,
+    which the agent signals), dies with the agent. Made with the keyword arguments of torch's
+    ``get_subprocess_handler``."""
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
+                                preexec_fn=dying_with_agent())
+
+
+class WarmSubprocessHandler(SpawnedSubprocessHandler):
     """torch's SubprocessHandler whose process is forked from ``warm`` when it can be (see the
-    module), else spawned as torch's own; ``spawn_reason`` tells why ("" when forked).
+    module), else spawned; ``spawn_reason`` tells why ("" when forked).
 
     Args:
         warm: the agent's warm process.
-        round_keys: environment variables the agent sets for each round (the worker contract),
-            which may differ from the warm process's environment.
-        **kwargs: as for torch's ``get_subprocess_handler``.
+        **kwargs: as for torch's ``get_subprocess_handler``; the variables of ``env`` (torch's
+            for the worker and the round's, the worker contract) may differ from the warm
+            process's environment.
     """
 
-    def __init__(self, warm: WarmProcess, round_keys: Collection[str], **kwargs: Any) -> None:
+    def __init__(self, warm: WarmProcess, **kwargs: Any) -> None:
         self._warm = warm
-        self._round_keys = frozenset(round_keys) | kwargs["env"].keys()
+        self._round_keys = frozenset(kwargs["env"])
         self.spawn_reason = ""
         self.environment_changed = False
         """The worker was spawned because the environment is not the warm process's any more."""
@@ -279,20 +297,44 @@ def become_subreaper() -> None:
         raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
 
 
-def reap_orphans(keep: Collection[int]) -> int:
-    """Reap exited children of this process other than ``keep``: a subreaper also inherits its
-    workers' orphaned children (e.g. data-loader processes of a killed worker). Call it only when
-    no other exited child of the agent awaits its own wait (between rounds). Returns how many."""
+def reap_orphans(keep: Collection[int] | None = None) -> int:
+    """Reap exited orphans this process adopted as a subreaper: its workers' children that
+    outlived them (e.g. a killed worker's data-loader processes). Returns how many.
+
+    What the agent starts itself (the warm process, any subprocess) is in its session and waited
+    for where it was started: never reaped here. Its workers lead sessions of their own and are
+    waited for by their handlers: with ``keep`` None, only exited children that lead no session
+    are reaped (safe at any time, from any thread); with ``keep``, also session leaders other than
+    ``keep`` (call it so only when no exited worker awaits its handler's wait: between rounds)."""
+    own_session = os.getsid(0)
     reaped = 0
-    for child in psutil.Process().children():
+    for pid in _child_pids() - set(keep or ()):
         try:
-            zombie = child.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
+            with open(f"/proc/{pid}/stat") as stat:
+                state, _, _, session = stat.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):  # reaped meanwhile
             continue
-        if zombie and child.pid not in keep:
-            try:
-                os.waitpid(child.pid, os.WNOHANG)
-                reaped += 1
-            except ChildProcessError:
-                pass
+        if state != "Z" or int(session) == own_session or (keep is None and int(session) == pid):
+            continue
+        with contextlib.suppress(ChildProcessError):
+            reaped += bool(os.waitpid(pid, os.WNOHANG)[0])
     return reaped
+
+
+_orphan_reaper: threading.Thread | None = None
+
+
+def keep_reaping_orphans(interval_s: float = ORPHAN_REAP_INTERVAL_S) -> None:
+    """Reap exited orphans (:func:`reap_orphans` without ``keep``) every ``interval_s`` seconds
+    from now on, in a daemon thread: one per process, however often this is called."""
+    global _orphan_reaper
+    if _orphan_reaper is not None:
+        return
+
+    def reap_forever() -> None:
+        while True:
+            time.sleep(interval_s)
+            reap_orphans()
+
+    _orphan_reaper = threading.Thread(target=reap_forever, name="torchrevive-orphan-reaper", daemon=True)
+    _orphan_reaper.start()

@@ -56,6 +56,9 @@ def run_agent(
     config_path: str,
 ) -> dict[int, Any]:
     """Run a RecoveryAgent for one node, as torch's ``launch_agent`` runs a LocalElasticAgent."""
+    # As torch's launch_agent, first: torch's worker processes context reads it when it starts workers,
+    # and turns those signals into SignalException, on which the agent forwards the signal to them.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -69,9 +72,6 @@ def run_agent(
         etcd3_backend.register()  # normally done by the entry point, unless the package is not installed
     master_addr, master_port = _static_master(rdzv_parameters)
     store_server = _host_c10d_store(rdzv_parameters)  # noqa: F841 (serves while the agent runs)
-    # As torch's launch_agent: torch's worker processes context reads it when it starts workers,
-    # and turns those signals into SignalException, on which the agent forwards the signal to them.
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

@@ -83,6 +83,18 @@ def workers_ready(out: Path, ranks: int, timeout: float = 120) -> list[dict[str,
     return [json.loads(f.read_text()) for f in files]
 
 
+def stop_steady_job(proc: subprocess.Popen, out: Path, pids: Sequence[int], timeout: float) -> tuple[int, str]:
+    """Ask the steady workers writing to ``out`` to stop; the launcher's exit code and output
+    (whatever it left behind killed)."""
+    (out / "stop").touch()
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        kill_leftovers(pids)
+    return proc.returncode, output
+
+
 def kill_leftovers(pids: Sequence[int]) -> None:
     """SIGKILL processes a failed test may have left behind (orphaned workers)."""
     for pid in pids:
