@@ -25,6 +25,9 @@ KUBERNETES_KINDS = {
     ("v1", "Service"): "service-v1.json",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaim-v1.json",
     ("apps/v1", "StatefulSet"): "statefulset-apps-v1.json",
+    ("v1", "Secret"): "secret-v1.json",
+    ("batch/v1", "Job"): "job-batch-v1.json",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
 }
 POD_TEMPLATE_SPEC = "podtemplatespec-v1.json"
 OBJECT_META = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
