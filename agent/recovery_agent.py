@@ -8,7 +8,11 @@
 * count only real worker failures against ``max_restarts`` (a failure caused by a lost peer is a
   membership change, as torchrun already treats a joining node);
 * give each round's workers a fresh store, the snapshot the round's leader chose, the gradient
-  accumulation steps for the new world size, and the TORCHREVIVE_* contract;
+  accumulation steps for the new world size, and the TORCHREVIVE_* contract; what the agents
+  read from the rendezvous store is data, checked before use (the state before torch unpickles
+  it, :mod:`agent.rendezvous.checked_backend`; the round's values,
+  :mod:`agent.rendezvous.round_values`), and a finished round's keys are deleted
+  (:mod:`agent.rendezvous.round_keys`);
 * fork each round's workers from a warm process that has already imported torch
   (:mod:`agent.warm_workers`), spawning them as torch does when it cannot;
 * warm the page cache with the node's share of that snapshot while the workers start;
@@ -40,7 +44,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
@@ -48,22 +52,30 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from agent import health, torch_private, worker
 from agent.commit_notice import read_notice
 from agent.config import ConfigError, JobConfig
-from agent.errors import RestoreError
+from agent.errors import RestoreError, StaleRoundError
 from agent.events import EventLog, Metrics
 from agent.liveness import PeerLiveness
 from agent.membership import Change, MembershipWatch
 from agent.memory.layout import MemorySnapshot
-from agent.memory.tier import MemoryChoice, MemoryTier
+from agent.memory.run_dir import DEFAULT_BASE
+from agent.memory.tier import MemoryTier
 from agent.recovery_states import ConfirmLoss, DeferJoin, Fail, Finish, Recover, RecoveryMachine
+from agent.rendezvous import round_values
+from agent.rendezvous.checked_backend import CheckedBackend
 from agent.rendezvous.prompt import PromptOpExecutor
+from agent.rendezvous.round_keys import RESTORE_FROM_KEY, WORKER_STORE_KEY, FinishedRound, delete_keys
+from agent.rendezvous.round_values import MEMORY_CHOICE, RoundLeftBehind
 from agent.checkpoint.dirs import committed_snapshots, write_fence
-from agent.warm_workers import WarmProcess, WarmSubprocessHandler, become_subreaper, reap_orphans
+from agent.warm_workers import (
+    SpawnedSubprocessHandler,
+    WarmProcess,
+    WarmSubprocessHandler,
+    become_subreaper,
+    keep_reaping_orphans,
+    reap_orphans,
+)
 
-WORKER_STORE_KEY = "torchrevive/worker_store"
-RESTORE_FROM_KEY = "torchrevive/restore_from"
 JOB_SUCCEEDED_KEY = "torchrevive/job_succeeded"
-MEMORY_CHOICE = "memory:"
-"""RESTORE_FROM_KEY's value starts so when the round restores a memory snapshot."""
 
 
 class RecoveryAgent(LocalElasticAgent):
@@ -84,6 +96,10 @@ class RecoveryAgent(LocalElasticAgent):
         self._worker_store: dist.TCPStore | None = None
         self._restore_from: str = ""
         self._round: int | None = None
+        self._finished_round: FinishedRound | None = None
+        """This node's last round, whose keys go once a later round formed."""
+        self._keys_to_delete: FinishedRound | None = None
+        """The round whose keys this node deletes once the current round's workers started."""
         self._grad_accum_steps = 1
         handler = self._worker_group.spec.rdzv_handler
         self._nproc_per_node = self._worker_group.spec.local_world_size
@@ -93,6 +109,9 @@ class RecoveryAgent(LocalElasticAgent):
         self._watch: MembershipWatch | None = None
         self._liveness: PeerLiveness | None = None
         if isinstance(handler, DynamicRendezvousHandler):
+            # torch unpickles the state its backend returns: only what the allowlist accepted.
+            CheckedBackend.install(handler, f"the {handler.get_backend()} rendezvous state of run "
+                                            f"'{handler.settings.run_id}' (at {job.rendezvous.endpoint})")
             keep_alive = handler.settings.keep_alive_interval.total_seconds()
             self._executor = PromptOpExecutor.install(handler, poll_interval=keep_alive / 10)
             self._watch = MembershipWatch(handler, ledger=self._executor.ledger, poll_interval=keep_alive / 4)
@@ -114,7 +133,7 @@ class RecoveryAgent(LocalElasticAgent):
         if server is not None:
             torch_private.set_health_check_server(self, server)
         self._prefetch_stop = threading.Event()
-        self._memory = memory_tier(job)
+        self._memory = memory_tier(job, handler.get_run_id())
         self._memory_buddy = ""
         self._restore_source = "storage"
         self._warm = self._start_warm_process() if job.launch.warm_workers else None
@@ -273,7 +292,51 @@ class RecoveryAgent(LocalElasticAgent):
 
     # -- one round -------------------------------------------------------------------------------
 
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """torch's (rendezvous, then start the workers); then, while the workers start, delete
+        the previous round's keys when this node is the one to (:mod:`agent.rendezvous.round_keys`)."""
+        super()._initialize_workers(worker_group)
+        finished, self._keys_to_delete = self._keys_to_delete, None
+        if finished is None or self._executor is None:
+            return
+        try:
+            delete_keys(worker_group.spec.rdzv_handler, self._executor.acks, finished)
+        except (RendezvousError, dist.DistError, OSError, LookupError) as exc:  # a cleanup: training goes on
+            self.events.record("round_keys_kept", round=finished.round, error=str(exc))
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous and the round's hand-offs. A node that the rendezvous moved on
+        without while it read the round's keys (it was frozen, say: the next round deletes them)
+        joins the next round instead of failing; so does a leader that finds the checkpoint dir's
+        fence past its round (StaleRoundError) once the rendezvous moved on too."""
+        while True:
+            try:
+                return self._join_round(worker_group)
+            except (RoundLeftBehind, StaleRoundError, dist.DistStoreError, LookupError) as exc:
+                if not isinstance(exc, RoundLeftBehind) and not self._left_behind():
+                    raise
+                self.events.record("round_left_behind", error=str(exc))
+
+    def _left_behind(self) -> bool:
+        """Whether the rendezvous is past the round this node last joined (with or without it)."""
+        completed = self._executor.completed_round if self._executor is not None else None
+        if completed is None:
+            return False
+        try:
+            with torch_private.synced_state(self._worker_group.spec.rdzv_handler) as holder:
+                return holder.state.round != completed
+        except RendezvousError:  # unreachable, or worse: the caller's own error tells
+            return False
+
+    def _note_round(self, round: int, participants: frozenset[str]) -> None:
+        """Remember this round for the deletion of its keys; the previous one's go after this
+        round's workers start when this node is the one to delete them."""
+        finished, self._finished_round = self._finished_round, FinishedRound(round, participants)
+        if finished is not None and finished.round != round and self._watch is not None \
+                and finished.deleted_by(participants) == self._watch.node:
+            self._keys_to_delete = finished
+
+    def _join_round(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
         super()._rendezvous(worker_group)
         store = worker_group.store
@@ -286,6 +349,8 @@ class RecoveryAgent(LocalElasticAgent):
         completed = self._executor.completed_round if self._executor is not None else None
         membership = self._watch.start_round(completed) if self._watch else None
         self._round = membership.round if membership else None
+        if membership is not None:
+            self._note_round(membership.round, membership.participants)
         if self._liveness is not None and membership is not None:
             self._liveness.start_round(store, self._watch.node, sorted(membership.participants))
         if self._memory is not None and self._round is not None:
@@ -315,33 +380,38 @@ class RecoveryAgent(LocalElasticAgent):
         if worker_group.group_rank == 0:
             self._worker_store = tcp_store_on(worker_group.master_addr)
             store.set(WORKER_STORE_KEY, f"{worker_group.master_addr} {self._worker_store.port}")
-        address, port = store.get(WORKER_STORE_KEY).decode().split()
-        worker_group.master_addr, worker_group.master_port = address, int(port)
+        published = round_values.wait_for_value(store, WORKER_STORE_KEY, self._left_behind)
+        worker_group.master_addr, worker_group.master_port = round_values.worker_store_address(WORKER_STORE_KEY,
+                                                                                               published)
 
     def _agree_on_snapshot(self, worker_group: WorkerGroup) -> str:
         """The round's leader records the round as the checkpoint dir's fencing token (a save of
         an older round can no longer commit) and picks the latest committed snapshot: the memory
         tier's when the live nodes hold a newer (or the same) step, else storage's. Every node
-        reads its choice; for a memory snapshot, it starts pulling the files its ranks lack."""
+        reads its choice, checked (:mod:`agent.rendezvous.round_values`): a snapshot's name,
+        resolved under its own checkpoint dir or memory directory; for a memory snapshot, it starts
+        pulling the files its ranks lack."""
         directory = self._job.checkpoint.dir
         store = worker_group.store
         if worker_group.group_rank == 0:
             if directory and self._round is not None:
                 write_fence(Path(directory), self._round)
             committed = committed_snapshots(Path(directory)) if directory else []
-            chosen = str(committed[-1][1]) if committed else ""
+            chosen = committed[-1][1].name if committed else ""
             if self._memory is not None and self._round is not None:
                 in_memory = self._memory.choose(store, self._round, self._nodes_used)
                 if in_memory is not None and (not committed or in_memory.snapshot.step >= committed[-1][0]):
                     chosen = MEMORY_CHOICE + in_memory.to_json()
             store.set(RESTORE_FROM_KEY, chosen)
-        chosen = store.get(RESTORE_FROM_KEY).decode()
+        chosen = round_values.wait_for_value(store, RESTORE_FROM_KEY, self._left_behind)
         self._restore_source = "memory" if chosen.startswith(MEMORY_CHOICE) else "storage"
         if self._restore_source == "storage":
-            return chosen
-        assert self._memory is not None and self._round is not None, "only a memory tier's leader chooses memory"
-        choice = MemoryChoice.from_json(chosen.removeprefix(MEMORY_CHOICE))
-        local = str(self._memory.root / choice.snapshot.relative)
+            path = round_values.storage_choice(RESTORE_FROM_KEY, chosen, directory)
+            return "" if path is None else str(path)
+        choice, local_path = round_values.memory_choice(RESTORE_FROM_KEY, chosen,
+                                                        self._memory.root if self._memory else None)
+        local = str(local_path)
+        assert self._memory is not None and self._round is not None, "a memory tier runs rounds"
         if self._standby:
             return local
 
@@ -357,24 +427,22 @@ class RecoveryAgent(LocalElasticAgent):
         if self._standby:
             self.events.record("standby", nodes_used=self._nodes_used)
             return {}
-        # Worker processes inherit the agent's environment, and LocalElasticAgent offers no other
-        # hook for extra variables, so the round's values are set here, before they start.
-        round_environment = self.worker_environment()
-        os.environ.update(round_environment)
         started = time.monotonic()
         handlers: list[WarmSubprocessHandler] = []
 
-        def warm_handler(**kwargs: Any) -> WarmSubprocessHandler:
-            assert self._warm is not None, "warm handlers are made only with a warm process"
-            handlers.append(WarmSubprocessHandler(self._warm, round_environment.keys(), **kwargs))
+        def handler(**kwargs: Any) -> SpawnedSubprocessHandler:
+            if self._warm is None:
+                return SpawnedSubprocessHandler(**kwargs)
+            handlers.append(WarmSubprocessHandler(self._warm, **kwargs))
             return handlers[-1]
 
-        if self._warm is None:
-            pids = super()._start_workers(worker_group)
-        else:
+        if self._warm is not None:
             reap_orphans(keep={self._warm.pid})
-            with torch_private.subprocess_handlers(warm_handler):
-                pids = super()._start_workers(worker_group)
+        # The round's variables go into each worker's own environment: setting them in the
+        # agent's (setenv) is unsafe while its threads (gRPC's, the stores') may read it.
+        with torch_private.worker_environment_added(self.worker_environment()), \
+                torch_private.subprocess_handlers(handler):
+            pids = super()._start_workers(worker_group)
         spawn_reason = self._spawn_reason(handlers)
         self.events.record("workers_started", seconds=time.monotonic() - started,
                            ranks=[w.global_rank for w in worker_group.workers],
@@ -398,6 +466,7 @@ class RecoveryAgent(LocalElasticAgent):
         except OSError as exc:
             self.events.record("warm_process_unavailable", error=str(exc))
             return None
+        keep_reaping_orphans()  # a subreaper adopts its workers' orphans: they are zombies until reaped
         warm = WarmProcess(self._job.launch.preload, os.environ)
         self.events.record("warm_process_started", pid=warm.pid, preload=warm.preload)
         return warm
@@ -481,13 +550,13 @@ class RecoveryAgent(LocalElasticAgent):
         handler.next_rendezvous = next_rendezvous_then_roles
 
 
-def memory_tier(job: JobConfig) -> MemoryTier | None:
-    """The agent's part of the memory tier, when the job turns it on (and has a rendezvous round
-    to fence it with: not the static backend)."""
+def memory_tier(job: JobConfig, run_id: str) -> MemoryTier | None:
+    """The agent's part of the memory tier for rendezvous run ``run_id``, when the job turns it on
+    (and has a rendezvous round to fence it with: not the static backend)."""
     if not job.checkpoint.memory_interval_steps or job.rendezvous.backend == "static":
         return None
-    root = job.checkpoint.memory_dir or f"/dev/shm/torchrevive-{job.job.id}"
-    return MemoryTier(Path(root), host=node_host(job), secret_file=job.checkpoint.memory_secret_file)
+    return MemoryTier(Path(job.checkpoint.memory_dir or DEFAULT_BASE), run_id=run_id, host=node_host(job),
+                      secret_file=job.checkpoint.memory_secret_file)
 
 
 def node_host(job: JobConfig) -> str:
