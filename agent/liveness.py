@@ -195,12 +195,12 @@ class PeerLiveness:
     def close(self) -> None:
         """Say goodbye to every watcher and close every connection; returns once no thread of its
         own is inside a store call (one left there when the process exits aborts it)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._round_stop.set()
-        with self._lock:
+        with self._lock:  # from here on no connector starts: those running are joined below
+            if self._closed:
+                return
+            self._closed = True
             connectors = list(self._connectors)
+        self._round_stop.set()
         for connector in connectors:
             connector.join(timeout=CONNECT_TIMEOUT_S + 5)
         self._wake()
@@ -213,6 +213,8 @@ class PeerLiveness:
     def _start_connector(self, target: Callable[..., None], *args: Any) -> None:
         connector = threading.Thread(target=target, args=args, name="torchrevive-liveness-connect", daemon=True)
         with self._lock:
+            if self._closed:
+                return
             self._connectors = [t for t in self._connectors if t.is_alive()] + [connector]
         connector.start()
 

@@ -301,7 +301,7 @@ class RecoveryAgent(LocalElasticAgent):
             return
         try:
             delete_keys(worker_group.spec.rdzv_handler, self._executor.acks, finished)
-        except (RendezvousError, dist.DistError, OSError, LookupError) as exc:  # a cleanup: training goes on
+        except Exception as exc:  # noqa: BLE001 - a cleanup (etcd may refuse it): training goes on
             self.events.record("round_keys_kept", round=finished.round, error=str(exc))
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -395,6 +395,9 @@ class RecoveryAgent(LocalElasticAgent):
         store = worker_group.store
         if worker_group.group_rank == 0:
             if directory and self._round is not None:
+                if self._round == 0 and self._left_behind():
+                    # Round 0 replaces the fence as a new run of the job; not when it is a stale leader's.
+                    raise RoundLeftBehind(f"round 0 ended before its leader wrote the fence in {directory}")
                 write_fence(Path(directory), self._round)
             committed = committed_snapshots(Path(directory)) if directory else []
             chosen = committed[-1][1].name if committed else ""

@@ -194,10 +194,11 @@ def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
         restarted = time.time()
         cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > restarted + 2],
                          120, "training after the etcd restart")
+        stopped = time.time()  # the harness stops the nodes one by one: a worker may then fail, as it should
     finally:
         cluster.stop()
     events = read_events(tmp_path / "events.jsonl")
-    assert not [e for e in events if e["event"] == "membership_change"]
+    assert not [e for e in events if e["event"] == "membership_change" and e["time"] < stopped]
 
 
 PASSWORD = "s3cret-Pa55"

@@ -5,6 +5,7 @@ tier snapshot, is left as it is."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from distributed import run_ranks
 from torch import nn
 
 from agent.checkpoint import Checkpointer
+from agent.checkpoint.checksums import CHECKSUMS_FILE
 from agent.checkpoint.dirs import committed_snapshots, is_committed, list_quarantined
 from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.quarantine import quarantine_reason
@@ -139,6 +141,53 @@ def test_structural_damage_is_quarantined(tmp_path, damage):
     assert [p.name for _, p in list_quarantined(tmp_path)] == ["step_2.quarantined"]
     ckpt.save(2, model(16))  # the step is saved anew
     assert [s for s, _ in committed_snapshots(tmp_path)] == [1, 2]
+
+
+def rewrite_checksum_record(snapshot: Path, change) -> None:
+    record_path = snapshot / CHECKSUMS_FILE
+    record = json.loads(record_path.read_text())
+    change(record)
+    record_path.write_text(json.dumps(record))
+
+
+def no_block_size(record: dict) -> None:
+    record["block_bytes"] = 0
+
+
+def a_block_missing(record: dict) -> None:
+    name = next(iter(record["files"]))
+    record["files"][name]["blocks"] = record["files"][name]["blocks"][:-1]
+
+
+@pytest.mark.parametrize("change", [no_block_size, a_block_missing])
+def test_a_malformed_checksum_record_is_damage_never_a_crash(tmp_path, change):
+    ckpt = Checkpointer(tmp_path, staging=False, verify="full")
+    ckpt.save(1, model(16))
+    ckpt.save(2, model(16))
+    rewrite_checksum_record(tmp_path / "step_2", change)
+    with pytest.warns(UserWarning, match="falling back from .*step_2: .*malformed checksum record"):
+        assert ckpt.restore(model(16)) == 1
+    assert [p.name for _, p in list_quarantined(tmp_path)] == ["step_2.quarantined"]
+
+
+def another_algorithm(snapshot: Path) -> None:
+    rewrite_checksum_record(snapshot, lambda record: record.update(algorithm="xxh128"))
+
+
+def unreadable_record(snapshot: Path) -> None:
+    (snapshot / CHECKSUMS_FILE).unlink()
+    (snapshot / CHECKSUMS_FILE).mkdir()  # reading it is an OSError (EISDIR), as an I/O error would be
+
+
+@pytest.mark.parametrize("make_unreadable", [another_algorithm, unreadable_record])
+def test_a_snapshot_unreadable_for_a_reason_other_than_damage_is_left_in_place(tmp_path, make_unreadable):
+    ckpt = Checkpointer(tmp_path, staging=False)
+    ckpt.save(1, model(16))
+    ckpt.save(2, model(16))
+    make_unreadable(tmp_path / "step_2")
+    with pytest.warns(UserWarning, match="falling back from .*step_2"):
+        assert ckpt.restore(model(16)) == 1
+    assert list_quarantined(tmp_path) == [] and is_committed(tmp_path / "step_2")
 
 
 def test_a_second_damaged_save_of_a_step_is_kept_beside_the_first(tmp_path):

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import xxhash
 
-from agent.errors import RestoreError
+from agent.checkpoint.durable import write_file
+from agent.errors import RestoreError, SnapshotUnreadableError
 from agent.restore.locations import check_locations
 
 CHECKSUMS_FILE = ".torchrevive_checksums.json"
@@ -101,18 +102,13 @@ def digest_files(root: Path, relatives: Iterable[str], *, threads: int = 4) -> d
 
 
 def write_checksums(root: Path, files: dict[str, FileDigest], *, block_bytes: int = BLOCK_BYTES) -> None:
-    """Write the record durably: a temporary file, fsync'ed, renamed into place."""
+    """Write the record atomically and durably."""
     record = {
         "algorithm": ALGORITHM,
         "block_bytes": block_bytes,
         "files": {name: {"size": d.size, "blocks": list(d.blocks)} for name, d in sorted(files.items())},
     }
-    tmp = root / (CHECKSUMS_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / CHECKSUMS_FILE)
+    write_file(root / CHECKSUMS_FILE, json.dumps(record, separators=(",", ":")))
 
 
 def load_checksums(root: Path) -> Checksums | None:
@@ -122,15 +118,24 @@ def load_checksums(root: Path) -> Checksums | None:
         record = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise SnapshotUnreadableError(f"{path}: cannot read the checksum record ({exc}); retry once the storage "
+                                      "answers") from exc
+    except ValueError as exc:
         raise ChecksumError(f"{path}: unreadable checksum record ({exc}); the snapshot is damaged") from exc
     algorithm = record.get("algorithm") if isinstance(record, dict) else None
-    if algorithm != ALGORITHM:  # not bytes that differ from their record: a record this version cannot read
-        raise RestoreError(f"{path}: checksums use {algorithm!r}; this torchrevive reads {ALGORITHM}")
+    if algorithm != ALGORITHM:
+        raise SnapshotUnreadableError(f"{path}: checksums use {algorithm!r}; this torchrevive reads {ALGORITHM} "
+                                      "(a newer torchrevive wrote it? restore it with that version)")
     try:
         files = {str(name): FileDigest(int(d["size"]), tuple(str(b) for b in d["blocks"]))
                  for name, d in record["files"].items()}
         block_bytes = int(record["block_bytes"])
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes {block_bytes} is not positive")
+        for name, digest in files.items():
+            if digest.size < 0 or len(digest.blocks) != -(-digest.size // block_bytes):
+                raise ValueError(f"'{name}' has {len(digest.blocks)} block checksums for {digest.size} bytes")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ChecksumError(f"{path}: malformed checksum record ({type(exc).__name__}: {exc}); the snapshot is "
                             "damaged") from None

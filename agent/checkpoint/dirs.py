@@ -83,12 +83,14 @@ def write_fence(root: Path, round: int) -> None:
     progress aside. Its commit renames the same directory: rename is atomic, so either that commit
     happened first (and lists as committed from now on) or it fails.
 
-    The fence only grows. Each round is a file of its own and the fence is the highest, so two
-    leaders writing at once never lower it, and no lock is held (a frozen leader would hold it
-    forever). A round lower than the fence is a stale leader's (its node was frozen or cut off
-    while the job moved on): StaleRoundError, and nothing changes. Round 0 starts a new run of
-    the job (a resubmitted job's rendezvous counts its rounds from 0 again): it replaces what an
-    earlier run recorded."""
+    Within a run the fence only grows. Each round is a file of its own and the fence is the
+    highest, so two leaders writing at once never lower it, and no lock is held (a frozen leader
+    would hold it forever). A round lower than the fence is a stale leader's (its node was frozen
+    or cut off while the job moved on): StaleRoundError, and nothing changes. Round 0 starts a new
+    run of the job (a resubmitted job's rendezvous counts its rounds from 0 again): it replaces
+    what an earlier run recorded. So the caller writes round 0 only while the rendezvous is still
+    in round 0 (the agent checks; a leader frozen between that check and this write is the one
+    case that lowers the fence)."""
     root.mkdir(parents=True, exist_ok=True)
     newest = fenced_round(root)
     if newest is not None and 0 < round < newest:

@@ -24,11 +24,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``, atomically and durably (see the module docstring). On any
-    failure the temporary file is removed and ``path`` keeps its previous content."""
+def write_file(path: Path, text: str, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``text`` (a file of ``mode``), atomically and durably (see the module
+    docstring). On any failure the temporary file is removed and ``path`` keeps its previous content."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)  # mkstemp's is 600: a snapshot's readers may be other users
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

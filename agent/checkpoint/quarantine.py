@@ -25,7 +25,7 @@ from agent.checkpoint.checksums import ChecksumError
 from agent.checkpoint.dirs import COMMIT_MARKER, is_committed, quarantine_dir, step_of
 from agent.checkpoint.durable import fsync_dir, remove_file, write_file
 from agent.checkpoint.verify import check_structure
-from agent.errors import RestoreError
+from agent.errors import RestoreError, SnapshotUnreadableError
 from agent.events import EventLog
 
 QUARANTINE_RECORD = ".torchrevive_quarantine"
@@ -68,10 +68,10 @@ def structural_damage(snapshot: Path) -> str | None:
     None."""
     try:
         check_structure(snapshot)
+    except (SnapshotUnreadableError, OSError):  # not damage: it may pass, or a newer version reads it
+        pass
     except RestoreError as exc:
         return str(exc)
-    except OSError:  # not damage: it may pass (a storage hiccup)
-        pass
     return None
 
 

@@ -131,9 +131,10 @@ class _Channel:
             raise PeerError(f"{self.endpoint}: a header that is not a JSON object")
         return header
 
-    def recv_file(self, dest: Path, size: int) -> None:
+    def recv_file(self, dest: Path, size: int, *, exclusive: bool = False) -> None:
         """Receive ``size`` bytes into ``dest`` (through a temporary file, renamed once the MAC
-        checks out: a file in place is always whole and authentic). When this node cannot store
+        checks out: a file in place is always whole and authentic; with ``exclusive``, linked
+        instead, so a ``dest`` that appeared meanwhile stays and FileExistsError is raised). When this node cannot store
         them (its tmpfs full), the rest of the payload is still read, so that the connection stays
         in step for the answer, and the OSError is raised after it."""
         mac = self._next_mac()
@@ -166,7 +167,10 @@ class _Channel:
                 raise failure
             os.close(fd)
             fd = -1
-            os.replace(tmp, dest)
+            if exclusive:
+                os.link(tmp, dest)  # the temporary file goes below
+            else:
+                os.replace(tmp, dest)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -380,13 +384,13 @@ class PeerFileServer:
         connection_cap = usage.total if self.max_connection_bytes is None else self.max_connection_bytes
         if size > file_cap:
             raise PeerError(f"this node cannot store {request.get('path')}: {size} bytes, above the {file_cap} a "
-                            "file may take here (the memory directory's free space, or max_file_bytes)")
+                            "file may take here (the memory directory's free space)")
         if stored + size > connection_cap:
             raise PeerError(f"this node cannot store {request.get('path')}: {stored + size} bytes over one "
-                            f"connection, above the {connection_cap} it may take (max_connection_bytes)")
+                            f"connection, above the {connection_cap} it may take (the memory directory's size)")
         connection.outgoing.send_header({"ready": True})
         try:
-            connection.incoming.recv_file(path, size)
+            connection.incoming.recv_file(path, size, exclusive=True)  # two puts of one file: the first stays
         except OSError as exc:
             connection.outgoing.send_header({"error": f"this node cannot store {request.get('path')}: "
                                                       f"{exc.strerror or exc}"})

@@ -53,7 +53,11 @@ class RunDir:
         check_base(self.base)
         self.path = self.base / f"torchrevive-{re.sub(r'[^A-Za-z0-9_.-]', '_', run_id).lstrip('.')[:64] or '_'}"
         self._lock = self._make()
-        (self.path / RUN_FILE).write_text(run_id)
+        try:
+            (self.path / RUN_FILE).write_text(run_id)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Remove this run's directory (and only it), then release its lock."""

@@ -158,7 +158,7 @@ class MemoryTier:
         for store, key in published:
             try:
                 store.delete_key(key)
-            except (RuntimeError, LookupError, RendezvousError) as exc:  # the store is down: the rendezvous will tell
+            except Exception as exc:  # noqa: BLE001 - a cleanup; a store that is down, the rendezvous tells
                 warnings.warn(f"{key}: could not delete this node's key of an earlier round ({exc})", stacklevel=3)
 
     def choose(self, store: Any, round: int, active_nodes: int) -> MemoryChoice | None:
@@ -209,10 +209,14 @@ class MemoryTier:
             for relative in candidates:  # a committed one's record, from a peer that vouches for it
                 voucher = next((g for g, entries in sorted(held.items())
                                 if {CHECKSUMS_FILE, COMMIT_MARKER} <= entries.get(relative, {}).get("files", {}).keys()), None)
-                if voucher is not None:
-                    records = {name: voucher for name in _records()}
+                if voucher is None:
+                    continue
+                records = {name: voucher for name in _records()}
+                try:
                     pulled += self._pull_records(self.root / relative, round,
                                                  MemoryChoice(MemorySnapshot.parse(relative), records), addresses)
+                except (OSError, RestoreError, PeerError, ValueError):
+                    continue  # this candidate only (another run's, say): the others may be whole
             # Only this node's inventory vouches for a snapshot, and only for one of its own run.
             choice = newest_complete({**held, group_rank: inventory(self.root, self.run_id)})
             if choice is not None and not stop.is_set():

@@ -8,8 +8,10 @@ later round formed, and none expires by itself (etcd's keys hang on the agents' 
 as long as any agent does): without deletion the store grows every round. One node deletes a
 finished round's keys: the first, by name, of its participants that are in the new round, so a
 round whose leader died is cleaned too. A node of the old round left out of the new one (frozen,
-then thawed) may still be reading them: it is fenced, and its reads notice that the round moved on
-and rejoin instead of waiting for a deleted key (:func:`agent.rendezvous.round_values.wait_for_value`).
+then thawed) may still be reading them: it is fenced; its reads of torchrevive's keys notice that
+the round moved on and rejoin instead of waiting for a deleted key
+(:func:`agent.rendezvous.round_values.wait_for_value`), while torch's own reads of the old round
+wait for the store's timeout before the agent rejoins.
 
 The memory tier deletes its own keys (:mod:`agent.memory.tier`).
 """
