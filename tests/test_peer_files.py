@@ -308,7 +308,8 @@ def test_connections_beyond_the_caps_are_refused_before_any_thread(capped, caplo
         greeted = [sock.recv(len(MAGIC)) == MAGIC for sock in idle]  # a refused one is closed at once
     assert greeted == [True] * 4 + [False] * 16 and threading.active_count() <= threads + 4
     assert "refused 1 connection(s) (the last from 127.0.0.1, which holds 4 of 4 per address" in caplog.text
-    assert len(caplog.records) == 1  # one line for the flood, not one per connection
+    refusals = [r for r in caplog.records if r.name == "agent.listener_limits"]  # (other tests' threads log too)
+    assert len(refusals) == 1  # one line for the flood, not one per connection
     for sock in idle:
         sock.close()
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import xxhash
 
-from agent.checkpoint.durable import write_file
 from agent.errors import RestoreError, SnapshotUnreadableError
 from agent.restore.locations import check_locations
 
@@ -102,13 +101,19 @@ def digest_files(root: Path, relatives: Iterable[str], *, threads: int = 4) -> d
 
 
 def write_checksums(root: Path, files: dict[str, FileDigest], *, block_bytes: int = BLOCK_BYTES) -> None:
-    """Write the record atomically and durably."""
+    """Write the record: a temporary file, fsync'ed, renamed into place (the commit marker written
+    next fsyncs the directory once for both)."""
     record = {
         "algorithm": ALGORITHM,
         "block_bytes": block_bytes,
         "files": {name: {"size": d.size, "blocks": list(d.blocks)} for name, d in sorted(files.items())},
     }
-    write_file(root / CHECKSUMS_FILE, json.dumps(record, separators=(",", ":")))
+    tmp = root / (CHECKSUMS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / CHECKSUMS_FILE)
 
 
 def load_checksums(root: Path) -> Checksums | None:
