@@ -161,8 +161,8 @@ class RecoveryAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """torch's run; when the agent ends, it stops watching the membership, says goodbye to the
-        agents watching it (it left, it did not die), and the node's memory snapshots are dropped (the job succeeded or failed
-        for good: storage holds what outlives it)."""
+        agents watching it (it left, it did not die), the node's memory snapshots are dropped (the job succeeded or failed
+        for good: storage holds what outlives it), and the metrics endpoint closes."""
         try:
             return super().run(role)
         finally:
@@ -174,6 +174,7 @@ class RecoveryAgent(LocalElasticAgent):
                 self._memory.close()
             if self._warm is not None:
                 self._warm.close()
+            self._metrics.close()
             shutil.rmtree(self._notice_dir, ignore_errors=True)
 
     # -- the monitor loop ----------------------------------------------------------------------
