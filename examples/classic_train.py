@@ -2,8 +2,10 @@
 torchrun, rank 0 `torch.save`s the whole state, and on every (re)start rank 0 `torch.load`s it
 and broadcasts every tensor to the other ranks. Same model and steps as examples/train.py (DDP).
 
-Rank 0 appends {"time", "event", "step", "world_size"} lines to --marks (examples/train.py's
-`mark`): `first_step_done` for the first step after a (re)start, `step` for every other, `saved`.
+Rank 0 appends {"time", "event", "step", "world_size", "samples"} lines to --marks
+(examples/mlp.py's `mark`): `first_step_done` for the first step after a (re)start, `step` for
+every other, `saved`. Each rank trains --batch-size samples a step, so a smaller world trains
+fewer samples a step (``samples``: all ranks' together).
 """
 
 from __future__ import annotations
@@ -11,24 +13,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.train import build_model, mark, synthetic_dataset
+from examples.mlp import build_model, mark, synthetic_dataset
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args(description: str = __doc__) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--marks", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    return parser.parse_args()
+
+
+def train(args: argparse.Namespace, after_step: Callable[[int], None] = lambda step: None) -> None:
+    """Resume from the checkpoint, if any, and train; ``after_step(step)`` runs on every rank after
+    each step (before that step's save). Joins the default gloo group unless one exists."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(build_model(args.width, torch.device("cpu")))
@@ -54,9 +63,10 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        after_step(current + 1)
         if rank == 0:
             mark(args.marks, "first_step_done" if current == start else "step", current + 1,
-                 world_size=dist.get_world_size())
+                 world_size=dist.get_world_size(), samples=args.batch_size * dist.get_world_size())
         if (current + 1) % args.interval_steps == 0 and rank == 0:
             args.dir.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": current + 1},
@@ -67,6 +77,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    train(parse_args())
     sys.stdout.flush()
     os._exit(0)  # see examples/train.py: torch 2.13's gloo destructor can deadlock

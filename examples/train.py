@@ -7,7 +7,8 @@ batch of samples (`--global-batch-size`) whatever the world size, with the gradi
 steps the agent hands over. When the job config names a checkpoint dir, it resumes (model,
 optimizer and data position) from the snapshot the agent chose and saves every
 `checkpoint.interval_steps` steps. With `--marks PATH`, rank 0 appends one JSON line per step
-(`mark`), as examples/classic_train.py does. `--crash-at-step S` makes rank 0
+(examples/mlp.py's `mark`, with the step's samples: the global batch), as
+examples/classic_train.py does. `--crash-at-step S` makes rank 0
 fail at step S once per job (a marker file in the temp dir records it), to show the agent
 restarting its workers.
 """
@@ -19,16 +20,16 @@ import json
 import os
 import sys
 import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import agent
+from examples.mlp import build_model, mark, synthetic_dataset
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,39 +47,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--crash-at-step", type=int, default=None, help="rank 0 fails at this step, once per job")
     parser.add_argument("--marks", default=None, help="rank 0 appends each step's mark (JSON lines) to this file")
     return parser.parse_args()
-
-
-def mark(path: str | os.PathLike[str], event: str, step: int, **fields: object) -> None:
-    """Append {"time", "event", "step", **fields} to ``path``: ``first_step_done`` for the first
-    step of a (re)started job, ``step`` for every other step, ``saved`` for a checkpoint."""
-    with open(path, "a") as f:
-        f.write(json.dumps({"time": time.time(), "event": event, "step": step, **fields}) + "\n")
-
-
-def build_model(width: int, device: torch.device, *, initialize: bool = True) -> nn.Module:
-    """The MLP on ``device``; with ``initialize=False`` its parameters get memory but no initial
-    values (for a model about to be restored: random init of a large model is seconds of CPU)."""
-
-    def layers() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-            # 8 outputs, not 1: torchsnapshot cannot save an empty FSDP2 shard, which a 1-row layer
-            # has on every rank but the first.
-            nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8),
-        )
-
-    if initialize:
-        return layers().to(device)
-    with torch.device("meta"):
-        model = layers()
-    return model.to_empty(device=device)
-
-
-def synthetic_dataset(samples: int, seed: int) -> TensorDataset:
-    """(input, target, sample id): a smooth target to regress, the same on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 64, generator=generator)
-    return TensorDataset(x, torch.sin(x[:, :8].cumsum(dim=1)), torch.arange(samples))
 
 
 def first_crash(run_id: str, step: int) -> bool:
@@ -163,7 +131,8 @@ def main() -> None:
         if ctx.rank == 0:
             print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
             if args.marks:
-                mark(args.marks, "first_step_done" if step == start else "step", step + 1, world_size=ctx.world_size)
+                mark(args.marks, "first_step_done" if step == start else "step", step + 1, world_size=ctx.world_size,
+                     samples=args.global_batch_size)
         if args.log_samples:
             with open(args.log_samples, "a") as f:
                 f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "round": ctx.round,

@@ -1,29 +1,45 @@
-"""Goodput under a schedule of node kills: the same job (examples/train.py's MLP, K nodes on
-127.0.0.1) run for the same time by each approach, with the same kills at the same times.
+"""Goodput under a schedule of node kills: the same job (examples/mlp.py's MLP and data, Adam, K
+nodes on 127.0.0.1) run for the same time by each approach, with the same kills at the same times.
 
-    python scripts/bench_goodput.py --nodes 4 --state-mb 512 --duration-s 600 --kill-every-s 60 \\
-        --rejoin-after-s 20 --json out.json
+    python scripts/bench_goodput.py --nodes 4 --state-mb 512 --duration-s 480 --kill-every-s 120 \\
+        --rejoin-after-s 30 --memory-interval 10 --json out.json
 
-Every --kill-every-s seconds a node (never node 0, which hosts the c10d store; the victims
-rotate over the others that are up) is killed with SIGKILL, agent and workers, and comes back
---rejoin-after-s seconds later as a joining node. Approaches (--approaches; one APPROACHES entry each):
+Every --kill-every-s seconds a node (never node 0, which hosts the c10d store and the peers'
+coordinators; the victims rotate over the others that are up) is killed with SIGKILL, agent and
+workers, and comes back --rejoin-after-s seconds later. Approaches (--approaches; one APPROACHES entry each):
   fault_free           torchrevive, no faults: the reference
   torchrevive_memory   torchrevive with the memory tier (a snapshot in the nodes' RAM every
                        --memory-interval steps) and the same storage snapshots
   torchrevive_storage  torchrevive, storage snapshots only
   torchrun_classic     plain torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
                        examples/classic_train.py: rank 0 torch.load + broadcast
-All save every --interval-steps steps. Rank 0 of each job marks every step (examples/train.py
-`mark`). The clock starts at t0, the first step the job trains at its full world size (start-up
-is no one's cost), and each run is killed at t0 + duration.
+  torchft              torchft 0.2.0: one replica group per node, a Lighthouse on node 0's side;
+                       survivors go on, a rejoined group heals from a live peer
+                       (scripts/torchft_cluster.py)
+  nvrx                 NVIDIA's nvidia-resiliency-ext 0.4.1: ft_launcher's in-job restarts and
+                       heartbeats, rank 0 torch.save / torch.load + broadcast (scripts/nvrx_cluster.py)
+The peers run from a virtual environment of their own (scripts/setup_peers.sh, made on first use).
+All save every --interval-steps steps. Rank 0 (of replica group 0 for torchft) marks every step
+with its samples (examples/mlp.py `mark`). torchrevive keeps examples/train.py's global batch (48
+samples) at any world size (ElasticSampler's gradient accumulation); the others train 48 / (full
+world) samples per rank (torchft: per replica group) a step, so a step at a smaller world trains
+fewer samples. The clock starts at t0, the first step the job trains at its full world size
+(start-up is no one's cost), and each run is killed at t0 + duration.
 
-steps: the highest step completed by t0 + duration, less the step the job started from at t0.
-goodput: steps / the fault-free run's steps. A recovery is a restart of training (after a kill
-or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the highest
-step trained since the previous restart less the step it restored.
+samples: the samples in the model at t0 + duration: those of every step in the history of the last
+step trained by then (a step trained again after a rollback counts once, as trained last; steps a
+rollback threw away count not at all), from t0 on. steps: that history's steps from t0 on.
+goodput: samples / the fault-free run's samples. A recovery is a restart of training (after a
+kill or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the
+highest step trained since the previous restart less the step it restored. pauses: for each fault,
+the longest time between two consecutive steps from the fault to the next fault (or the end) that
+no earlier fault's pause took (a rejoin during a kill's recovery may pause nothing more).
+full_world_step_s: the median time of a step at the full world size after another such step;
+speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
 
 JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
-"steps", "recoveries", "steps_lost", "recovery_details": [...], ...}}, "date", "machine", ...}.
+"samples", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
+"speed_between_faults", "recovery_details": [...], "peer_config", ...}}, "date", "machine", ...}.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +64,7 @@ from typing import Any
 
 from local_cluster import ClassicCluster, Cluster, Nodes, state_bytes, width_for
 from local_ports import free_port
+from peers_env import peers_python
 
 from agent.events import read_events
 
@@ -94,12 +112,30 @@ def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
                           max_restarts=MAX_RESTARTS)
 
 
+def torchft_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """torchft replica groups, one per node, and their Lighthouse."""
+    from torchft_cluster import TorchftCluster
+
+    return TorchftCluster(args, work, marks=marks, peers_python=args.peers_python)
+
+
+def nvrx_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """ft_launcher agents with the classic restore."""
+    from nvrx_cluster import NvrxCluster
+
+    return NvrxCluster(args, work, marks=marks, peers_python=args.peers_python, max_restarts=MAX_RESTARTS)
+
+
 APPROACHES: dict[str, Approach] = {
     "fault_free": Approach(torchrevive_nodes, faults=False),
     "torchrevive_memory": Approach(torchrevive_memory_nodes),
     "torchrevive_storage": Approach(torchrevive_nodes),
     "torchrun_classic": Approach(classic_nodes),
+    "torchft": Approach(torchft_nodes),
+    "nvrx": Approach(nvrx_nodes),
 }
+PEERS = {"torchft", "nvrx"}
+"""Approaches that run from the peers' virtual environment."""
 
 
 def make_schedule(nodes: int, duration_s: float, kill_every_s: float, rejoin_after_s: float) -> list[Fault]:
@@ -123,9 +159,8 @@ def make_schedule(nodes: int, duration_s: float, kill_every_s: float, rejoin_aft
 
 
 def full_world_start(world_size: int) -> Callable[[list[dict]], dict | None]:
-    """A predicate on marks: the first step of a job at ``world_size`` ranks."""
-    return lambda marks: next((m for m in marks if m["event"] == "first_step_done"
-                               and m["world_size"] == world_size), None)
+    """A predicate on marks: the first step trained at ``world_size`` ranks."""
+    return lambda marks: next((m for m in marks if m["event"] in STEP_EVENTS and m["world_size"] == world_size), None)
 
 
 def run_approach(approach: Approach, args: argparse.Namespace, schedule: list[Fault], work: Path) -> dict[str, Any]:
@@ -149,7 +184,7 @@ def run_approach(approach: Approach, args: argparse.Namespace, schedule: list[Fa
         _sleep_until(t0 + args.duration_s)
     finally:
         nodes.stop()
-    return measure(read_events(marks), start, args.duration_s, performed)
+    return {**measure(read_events(marks), start, args.duration_s, performed), "peer_config": nodes.peer_config}
 
 
 def _sleep_until(when: float) -> None:
@@ -157,17 +192,56 @@ def _sleep_until(when: float) -> None:
 
 
 def measure(marks: list[dict], start: dict, duration_s: float, performed: list[tuple[Fault, float]]) -> dict[str, Any]:
-    """Steps, recoveries and steps lost from the marks of one run (see the module docstring)."""
+    """Samples, steps, recoveries, steps lost and pauses from the marks of one run (see the module
+    docstring)."""
     t0 = start["time"]
-    steps = [m for m in marks if m["event"] in STEP_EVENTS and t0 <= m["time"] <= t0 + duration_s]
-    starts = [m for m in steps if m["event"] == "first_step_done" and m["time"] >= t0]
+    steps = sorted((m for m in marks if m["event"] in STEP_EVENTS and t0 <= m["time"] <= t0 + duration_s),
+                   key=lambda m: m["time"])
+    history = model_history(steps, start["step"] - 1)
+    starts = [m for m in steps if m["event"] == "first_step_done"]
     details = [recovery(restart, previous["time"], steps, performed, t0) for previous, restart in zip(starts, starts[1:])]
-    return {"steps": max(m["step"] for m in steps) - (start["step"] - 1),
+    return {"samples": sum(m["samples"] for m in history),
+            "steps": len(history),
             "recoveries": len(details),
             "steps_lost": sum(d["step_at_failure"] - d["step_restored"] for d in details),
             "started_from_step": start["step"] - 1,
             "faults": len(performed),
+            "pauses": pauses(steps, performed, t0, t0 + duration_s),
+            "full_world_step_s": full_world_step_s(steps, start["world_size"]),
             "recovery_details": details}
+
+
+def full_world_step_s(steps: list[dict], world_size: int) -> float | None:
+    """The median time of a step at ``world_size`` that followed another (no restart between):
+    how fast the approach trains between faults, saves included."""
+    times = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])
+             if b["event"] == "step" and a["world_size"] == b["world_size"] == world_size and b["step"] == a["step"] + 1]
+    return statistics.median(times) if times else None
+
+
+def model_history(steps: list[dict], since_step: int) -> list[dict]:
+    """The marks of the steps in the model after the last of ``steps`` (in time order): for each
+    step number after ``since_step`` up to the last one's, the mark of its last training."""
+    last: dict[int, dict] = {}
+    for m in steps:
+        last[m["step"]] = m
+    final = steps[-1]["step"]
+    return [last[n] for n in range(since_step + 1, final + 1) if n in last]
+
+
+def pauses(steps: list[dict], performed: list[tuple[Fault, float]], t0: float, end: float) -> list[dict[str, Any]]:
+    """For each fault, the longest time between two consecutive steps from the fault to the next
+    fault (or ``end``), a time no earlier fault's pause took: the pause in training it caused."""
+    times = [m["time"] for m in steps]
+    gaps = list(zip(times, times[1:]))
+    taken: set[int] = set()
+    found = []
+    for (fault, at), until in zip(performed, [*(at for _, at in performed[1:]), end]):
+        mine = [i for i, (a, b) in enumerate(gaps) if b > at and a < until and i not in taken]
+        longest = max(mine, key=lambda i: gaps[i][1] - gaps[i][0], default=None)
+        taken.add(longest)
+        found.append({**asdict(fault), "pause_s": None if longest is None else gaps[longest][1] - gaps[longest][0]})
+    return found
 
 
 def recovery(restart: dict, since: float, steps: list[dict], performed: list[tuple[Fault, float]],
@@ -214,6 +288,7 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that every node is stopped
     schedule = make_schedule(args.nodes, args.duration_s, args.kill_every_s, args.rejoin_after_s)
+    args.peers_python = peers_python() if PEERS & set(args.approaches) else None
     keep = args.keep or args.work_dir is not None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="torchrevive-goodput-"))
     try:
@@ -221,8 +296,12 @@ def main() -> None:
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+    reference = results["fault_free"]
     for result in results.values():
-        result["goodput"] = result["steps"] / results["fault_free"]["steps"]  # >= 1: t0's step counts
+        result["goodput"] = result["samples"] / reference["samples"]
+        # Training speed between faults, relative to the fault-free run (what saving costs while it runs).
+        step_s = result["full_world_step_s"]
+        result["speed_between_faults"] = reference["full_world_step_s"] / step_s if step_s else None
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(report(args, schedule, results, work if keep else None), indent=2))
@@ -240,11 +319,13 @@ def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, d
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print(f"{'approach':22s} {'steps':>7s} {'goodput':>8s} {'recoveries':>10s} {'steps lost':>10s} {'mean recovery s':>15s}")
+    print(f"{'approach':20s} {'samples':>8s} {'steps':>7s} {'goodput':>8s} {'recoveries':>10s} {'steps lost':>10s} "
+          f"{'median pause s':>14s}")
     for name, r in results.items():
-        times = [d["recovery_s"] for d in r["recovery_details"] if d["recovery_s"] is not None]
-        mean = f"{sum(times) / len(times):.1f}" if times else "-"
-        print(f"{name:22s} {r['steps']:7d} {r['goodput']:8.3f} {r['recoveries']:10d} {r['steps_lost']:10d} {mean:>15s}")
+        times = sorted(p["pause_s"] for p in r["pauses"] if p["pause_s"] is not None)
+        median = f"{statistics.median(times):.1f}" if times else "-"
+        print(f"{name:20s} {r['samples']:8d} {r['steps']:7d} {r['goodput']:8.3f} {r['recoveries']:10d} "
+              f"{r['steps_lost']:10d} {median:>14s}")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,19 @@ need one), the methods interleaved in a rotating order, median over the rounds.
 
     python scripts/bench_save.py --size-gb 2 --json out.json
 
-Writes {"size_bytes", "results": {M: {"blocking_s", "durable_s", "first_blocking_s", ...}}, ...}
+Writes {"size_bytes", "results": {M: {"blocking_s", "done_s", "durable_s", "first_blocking_s",
+"slowdown", ...}}, ...}
 for M in torchrevive, torchsnapshot_take, torchsnapshot_async_take, dcp_save, dcp_async_save.
 ``blocking_s``: the training thread is blocked by one save in steady state (a save after the
 first one in the same process, as training sees it every interval) until it may change the state
 again; ``first_blocking_s``: the same for the first save (staging buffers are allocated then).
-``durable_s``: from the call until the method reports the snapshot done. Only torchrevive's
-"done" means committed and fsync'ed; the peers' files may still sit in the page cache
-(``fsyncs`` says which do).
+``done_s``: from the call until the method reports the snapshot done; ``durable_s``: until it is
+done and on disk, like for like: torchrevive's "done" means committed and fsync'ed, the peers' do
+not fsync (``fsyncs``), so their files and directories are fsync'ed here once they are done, and
+that time is added. ``slowdown``: a training step of the same model (forward, backward and Adam
+on a batch of 16) while a background save is being written, over the same step with no save in
+flight (median of each; None for the methods that write before they return, and when the write
+ended before one step did).
 """
 
 from __future__ import annotations
@@ -30,16 +35,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from bench_restore import build_state, dcp_state, machine, state_bytes
+from bench_restore import WIDTH, build_state, dcp_state, machine, state_bytes
 
 METHODS = ["torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"]
 FSYNCS = {"torchrevive": True, "torchsnapshot_take": False, "torchsnapshot_async_take": False, "dcp_save": False,
           "dcp_async_save": False}
 
-Save = Callable[[int], Callable[[], None]]
+Save = Callable[[int], tuple[Callable[[], None], Callable[[], bool]]]
 """Starts save number i; returns once the caller may change the state again, with a function
-that waits until the save is done."""
+that waits until the save is done and one that says whether it is."""
+BATCH = 16
+"""Rows of a timed training step's batch."""
+
+
+def written(_: object) -> tuple[Callable[[], None], Callable[[], bool]]:
+    """For a save that is done when it returns (whatever it returned)."""
+    return lambda: None, lambda: True
 
 
 def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
@@ -53,16 +66,19 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
     if method == "torchrevive":
         ckpt = Checkpointer(root, keep=1_000)  # old snapshots are removed outside the timing, as for the others
 
-        def save(i: int) -> Callable[[], None]:
+        def save(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
             ckpt.save(i, app)
-            return ckpt.wait
+            return ckpt.wait, lambda: not ckpt.saving()
         return save
     if method == "torchsnapshot_take":
-        return lambda i: (torchsnapshot.Snapshot.take(str(root / f"step_{i}"), app), lambda: None)[1]
+        return lambda i: written(torchsnapshot.Snapshot.take(str(root / f"step_{i}"), app))
     if method == "torchsnapshot_async_take":
-        return lambda i: torchsnapshot.Snapshot.async_take(str(root / f"step_{i}"), app).wait
+        def save_async(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
+            pending = torchsnapshot.Snapshot.async_take(str(root / f"step_{i}"), app)
+            return pending.wait, pending.done
+        return save_async
     if method == "dcp_save":
-        return lambda i: (dcp.save(dcp_state(model, optim), checkpoint_id=str(root / f"step_{i}")), lambda: None)[1]
+        return lambda i: written(dcp.save(dcp_state(model, optim), checkpoint_id=str(root / f"step_{i}")))
     if method == "dcp_async_save":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -70,17 +86,18 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
         stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                              use_non_blocking_copy=False))
 
-        def save_dcp(i: int) -> Callable[[], None]:
+        def save_dcp(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
             response = dcp.async_save(dcp_state(model, optim), checkpoint_id=str(root / f"step_{i}"),
                                       async_stager=stager)
             response.staging_completion.result()  # the state may change only once it is staged
-            return response.upload_completion.result
+            return response.upload_completion.result, response.upload_completion.done
         return save_dcp
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
 def measure(method: str, root: Path, size_bytes: int, saves: int, device: str) -> dict:
-    """In this (child) process: one first save, then ``saves`` more, each timed."""
+    """In this (child) process: one first save, then ``saves`` more, each timed; then the steps'
+    slowdown during one more."""
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
     model, optim = build_state(size_bytes, seed=1)
     if device != "cpu":  # the state lives on the accelerator: saving includes the device-to-host copy
@@ -88,17 +105,59 @@ def measure(method: str, root: Path, size_bytes: int, saves: int, device: str) -
         for state in optim.state.values():
             state.update({k: v.to(device) for k, v in state.items()})
     save = saver(method, root, model, optim)
-    blocking, durable = [], []
+    blocking, done, durable = [], [], []
     for i in range(saves + 1):
         shutil.rmtree(root / f"step_{i}", ignore_errors=True)
         os.sync()  # no dirty pages of an earlier save (or method) left to slow this one's write-back
         started = time.perf_counter()
-        wait = save(i + 1)
+        wait, _ = save(i + 1)
         blocking.append(time.perf_counter() - started)
         wait()
+        done.append(time.perf_counter() - started)
+        if not FSYNCS[method]:
+            fsync_tree(root / f"step_{i + 1}")
         durable.append(time.perf_counter() - started)
     return {"state_bytes": state_bytes(model, optim), "first_blocking_s": blocking[0], "first_durable_s": durable[0],
-            "blocking_s": statistics.median(blocking[1:]), "durable_s": statistics.median(durable[1:])}
+            "blocking_s": statistics.median(blocking[1:]), "done_s": statistics.median(done[1:]),
+            "durable_s": statistics.median(durable[1:]), **slowdown(model, optim, save, saves + 2, device)}
+
+
+def slowdown(model: Any, optim: Any, save: Save, i: int, device: str) -> dict:
+    """Training steps with no save in flight, then while save ``i`` is being written."""
+    batch = torch.randn(BATCH, WIDTH, device=device)
+
+    def step() -> float:
+        started = time.perf_counter()
+        optim.zero_grad(set_to_none=True)
+        model(batch).square().mean().backward()
+        optim.step()
+        return time.perf_counter() - started
+
+    step()  # gradients allocated
+    quiet = [step() for _ in range(3)]
+    wait, finished = save(i)
+    during = []
+    while not finished():
+        during.append(step())
+    wait()
+    ratio = statistics.median(during) / statistics.median(quiet) if during else None
+    return {"quiet_step_s": statistics.median(quiet), "steps_during_write": len(during), "slowdown": ratio}
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path``, and ``path``'s parent."""
+    for folder, _, files in os.walk(path):
+        for name in [*files, "."]:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def run_child(args: argparse.Namespace, method: str, root: Path) -> dict:
@@ -116,10 +175,10 @@ def run_child(args: argparse.Namespace, method: str, root: Path) -> dict:
 
 def summarize(runs: list[dict], fsyncs: bool) -> dict:
     result: dict[str, Any] = {"fsyncs": fsyncs}
-    for key in ("blocking_s", "durable_s", "first_blocking_s", "first_durable_s"):
-        values = [r[key] for r in runs]
-        result[key] = statistics.median(values)
-        result[f"{key}_range"] = [min(values), max(values)]
+    for key in ("blocking_s", "done_s", "durable_s", "first_blocking_s", "first_durable_s", "quiet_step_s", "slowdown"):
+        values = [r[key] for r in runs if r[key] is not None]
+        result[key] = statistics.median(values) if values else None
+        result[f"{key}_range"] = [min(values), max(values)] if values else None
     return result
 
 
@@ -145,8 +204,10 @@ def main() -> None:
             for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
                 run = run_child(args, method, Path(tmp) / f"{method}-{round_}")
                 runs[method].append(run)
+                shown = "-" if run["slowdown"] is None else f"{run['slowdown']:.2f}x"
                 print(f"round {round_}  {method:26s} blocking {run['blocking_s']:6.3f} s (first "
-                      f"{run['first_blocking_s']:6.3f})   done {run['durable_s']:6.3f} s", flush=True)
+                      f"{run['first_blocking_s']:6.3f})   durable {run['durable_s']:6.3f} s   steps meanwhile "
+                      f"{shown}", flush=True)
     size = runs[methods[0]][0]["state_bytes"]
     results = {m: summarize(r, FSYNCS[m]) for m, r in runs.items()}
     report: dict[str, Any] = {"size_bytes": size, "machine": machine(), "device": args.device,
@@ -159,11 +220,12 @@ def main() -> None:
                             for m, r in results.items() if m != "torchrevive"}
         report["ratios"].update({f"torchrevive_durable_vs_{m}": ours["durable_s"] / r["durable_s"]
                                  for m, r in results.items() if m != "torchrevive"})
-    print(f"\n{'method':26s} {'blocking s':>10s} {'first s':>8s} {'done s':>8s}  fsync   ({size / 1e9:.2f} GB, "
-          f"median of {args.repeats})")
+    print(f"\n{'method':26s} {'blocking s':>10s} {'first s':>8s} {'done s':>8s} {'durable s':>9s} {'slowdown':>8s}  "
+          f"fsync   ({size / 1e9:.2f} GB, median of {args.repeats})")
     for method, r in results.items():
-        print(f"{method:26s} {r['blocking_s']:10.3f} {r['first_blocking_s']:8.3f} {r['durable_s']:8.3f}  "
-              f"{'yes' if r['fsyncs'] else 'no'}")
+        shown = "-" if r["slowdown"] is None else f"{r['slowdown']:.2f}x"
+        print(f"{method:26s} {r['blocking_s']:10.3f} {r['first_blocking_s']:8.3f} {r['done_s']:8.3f} "
+              f"{r['durable_s']:9.3f} {shown:>8s}  {'yes' if r['fsyncs'] else 'no (fsync added)'}")
     for name, ratio in report.get("ratios", {}).items():
         print(f"{name:45s} {ratio:6.3f}x")
     if args.json:

@@ -39,7 +39,7 @@ WARM_WORKER = textwrap.dedent("""
     import os, sys, time
     forked = time.time()
     import torch, torch.distributed as dist
-    from examples.train import build_model
+    from examples.mlp import build_model
     rank, world, port, width = map(int, sys.argv[1:5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     grouped = time.time()

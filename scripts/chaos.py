@@ -235,7 +235,7 @@ def reference_run(work: Path, steps: int, width: int) -> Path:
 
 def final_model(snapshot: Path, width: int) -> dict[str, torch.Tensor]:
     """The model of a snapshot examples/train.py wrote (DDP: its keys start with "module.")."""
-    from examples.train import build_model
+    from examples.mlp import build_model
 
     model = torch.nn.Module()
     model.module = build_model(width, torch.device("cpu"))

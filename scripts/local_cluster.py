@@ -31,7 +31,9 @@ Node 0 is started first and hosts the c10d store; the fault hits node --fault-no
 last). `--baseline` runs the same scenario with plain torchrun and the classic restore (rank 0
 torch.load + broadcast, examples/classic_train.py), capped at --cap-s, twice: with torch's
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (JSON "baseline": the torchrun that recovers) and as torch
-ships it (JSON "baseline_shared_store").
+ships it (JSON "baseline_shared_store"). `--baseline torchft` and `--baseline nvrx` run it on a
+peer instead (scripts/torchft_cluster.py, scripts/nvrx_cluster.py; their environment is made by
+scripts/setup_peers.sh on first use).
 
 `--memory-interval K` turns the memory tier on (a memory snapshot every K steps); each node then
 mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its own (root).
@@ -42,7 +44,9 @@ JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchre
 for a join that waited for a commit, after it, less the step restored), "deferred_s", "stall_s" (the job's
 pause in training: from rank 0's last step before the recovered job's first step to it; for a join,
 whose new node starts while the job trains on, less than recovery_s), "phases":
-{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"recovery_s", "capped", "cap_s", "stall_s"}}; with several scenarios, "runs" holds
+{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"approach", "recovery_s" (from the
+fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
+"capped", "cap_s", "peer_config"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
 fault's run holds its checks, and "ok" when all hold.
 """
@@ -74,6 +78,14 @@ from agent.recovery_timeline import recovery_after
 REPO = Path(__file__).resolve().parents[1]
 SQUARE_LAYERS = 2
 """examples/train.py's MLP: 64 -> W, then two W x W layers, then W -> 8."""
+GLOBAL_BATCH = 48
+"""examples/train.py's samples per step (--global-batch-size), at every world size."""
+
+
+def per_rank_batch(args: argparse.Namespace) -> int:
+    """The samples per rank a step of a job with a fixed per-rank batch (the classic baseline and
+    the peers): examples/train.py's global batch at the full world of ``args.nodes`` nodes."""
+    return max(1, GLOBAL_BATCH // (args.nodes * args.nproc_per_node))
 
 
 def width_for(state_mb: float) -> int:
@@ -103,6 +115,11 @@ class Nodes:
 
     def command(self, index: int) -> list[str]:
         """The command line of node ``index``."""
+        raise NotImplementedError
+
+    @property
+    def peer_config(self) -> dict[str, Any]:
+        """The settings that bound this approach's detection and recovery, for the reports."""
         raise NotImplementedError
 
     def start(self, index: int) -> None:
@@ -180,12 +197,12 @@ class Cluster(Nodes):
         self.memory_dir = Path(tempfile.mkdtemp(prefix="torchrevive-memory-", dir="/dev/shm")) \
             if self.memory_interval else None
         self.memory_mb = getattr(args, "memory_mb", None) or max(64, math.ceil(4 * args.state_mb))
-        conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
-                "keep_alive_max_attempt": 3}
+        self.conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
+                     "keep_alive_max_attempt": 3}
         self.config.write_text(yaml.safe_dump({
             "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
                     "max_restarts": getattr(args, "max_restarts", 5), "monitor_interval": 0.1},
-            "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": conf},
+            "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": self.conf},
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,
                            "keep": getattr(args, "keep_snapshots", 2), "memory_interval_steps": self.memory_interval,
                            "memory_dir": str(self.memory_dir) if self.memory_dir else None},
@@ -203,6 +220,11 @@ class Cluster(Nodes):
                        f'mount -t tmpfs -o size={self.memory_mb}m,mode=700 tmpfs {self.memory_dir} && exec "$@"', "sh",
                        *command]
         return command if self.network is None else self.network.wrap(index, command)
+
+    @property
+    def peer_config(self) -> dict[str, Any]:
+        return {"rendezvous": self.args.backend, "rdzv_conf": self.conf, "stop_grace_s": 2,
+                "liveness": "a TCP connection to every peer agent", "memory_interval_steps": self.memory_interval}
 
     def stop(self) -> None:
         super().stop()
@@ -253,7 +275,13 @@ class ClassicCluster(Nodes):
                 f"--rdzv-id=baseline-{os.getpid()}", f"--max-restarts={self.max_restarts}",
                 "--rdzv-conf=join_timeout=120", self.script, "--width", str(width_for(self.args.state_mb)),
                 "--dir", str(self.work / "baseline-ckpt"), "--interval-steps", str(self.args.interval_steps),
-                "--marks", str(self.marks)]
+                "--marks", str(self.marks), "--batch-size", str(per_rank_batch(self.args))]
+
+    @property
+    def peer_config(self) -> dict[str, Any]:
+        return {"rendezvous": "c10d", "rdzv_conf": {"join_timeout": "120s", "last_call_timeout": "30s (torch's default)"},
+                "max_restarts": self.max_restarts, "monitor_interval_s": "0.1 (torch's default)",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": self.env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "unset")}
 
 
 def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
@@ -475,35 +503,74 @@ def training_gap(marks: list[dict], after: float) -> float | None:
     return first["time"] - before[-1] if before else None
 
 
-def run_baseline(args: argparse.Namespace, work: Path, scenario: str, *, unshared_store: bool = False) -> dict:
-    """The same fault on plain torchrun with the classic restore; recovery capped at --cap-s.
+def run_baseline(args: argparse.Namespace, work: Path, scenario: str, approach: str, *,
+                 unshared_store: bool = False) -> dict:
+    """The same fault on a baseline (``approach``: torchrun with the classic restore, torchft or
+    nvrx, see BASELINES), timed from its step marks and capped at --cap-s: ``recovery_s`` from
+    the fault to the first step of the job as re-formed (a restarted job's first step, or the first
+    step at another world size), ``pause_s`` the longest time between two steps until then.
     ``unshared_store``: see ClassicCluster."""
-    work = work / ("baseline-unshared" if unshared_store else "baseline")
+    work = work / ("baseline-unshared" if unshared_store else f"baseline-{approach}")
     work.mkdir(parents=True, exist_ok=True)
-    cluster = ClassicCluster(args, work, args.baseline_endpoint, unshared_store=unshared_store)
+    nodes = BASELINES[approach](args, work, unshared_store)
     try:
-        cluster.start_all(args.nodes - 1 if scenario == "join" else args.nodes)
-        cluster.wait_for(lambda marks: any(m["event"] == "saved" for m in marks), args.timeout, "baseline checkpoint")
+        nodes.start_all(args.nodes - 1 if scenario == "join" else args.nodes)
+        nodes.wait_for(lambda marks: any(m["event"] == "saved" for m in marks), args.timeout, "baseline checkpoint")
         time.sleep(1.0)
         fault_at = time.time()
-        victim = min(args.fault_node, max(cluster.nodes))
+        before = [m for m in read_events(nodes.records) if m["event"] in ("step", "first_step_done")][-1]
+        victim = min(args.fault_node, max(nodes.nodes))
         if scenario == "kill":
-            cluster.signal(victim, signal.SIGKILL)
+            nodes.signal(victim, signal.SIGKILL)
         elif scenario == "freeze":
-            cluster.signal(victim, signal.SIGSTOP)
+            nodes.signal(victim, signal.SIGSTOP)
         elif scenario == "join":
-            cluster.start(len(cluster.nodes))
+            nodes.start(len(nodes.nodes))
         elif scenario == "kill-worker":
-            cluster.kill_worker(victim)
+            nodes.kill_worker(victim)
+        base = {"approach": approach, "cap_s": args.cap_s, "peer_config": nodes.peer_config}
         try:
-            resumed = cluster.wait_for(lambda marks: [m for m in marks if m["event"] == "first_step_done"
-                                                      and m["time"] > fault_at], args.cap_s, "baseline recovery")
+            resumed = nodes.wait_for(lambda marks: reformed(marks, fault_at, before["world_size"]), args.cap_s,
+                                     "baseline recovery")
         except TimeoutError:
-            return {"recovery_s": None, "capped": True, "cap_s": args.cap_s, "stall_s": None}
-        return {"recovery_s": resumed[0]["time"] - fault_at, "capped": False, "cap_s": args.cap_s,
-                "stall_s": training_gap(read_events(cluster.marks), fault_at)}
+            return {**base, "recovery_s": None, "capped": True, "pause_s": None}
+        steps = [m["time"] for m in read_events(nodes.records)
+                 if m["event"] in ("step", "first_step_done") and before["time"] <= m["time"] <= resumed["time"]]
+        return {**base, "recovery_s": resumed["time"] - fault_at, "capped": False,
+                "pause_s": max(b - a for a, b in zip(steps, steps[1:]))}
     finally:
-        cluster.stop()
+        nodes.stop()
+
+
+def reformed(marks: list[dict], after: float, world_size: int) -> dict | None:
+    """The first step after ``after`` of the job as re-formed: a restarted job's first step, or a
+    step at a world size other than ``world_size``."""
+    return next((m for m in marks if m["time"] > after and (m["event"] == "first_step_done" or (
+        m["event"] == "step" and m["world_size"] != world_size))), None)
+
+
+def _torchrun_baseline(args: argparse.Namespace, work: Path, unshared_store: bool) -> Nodes:
+    return ClassicCluster(args, work, args.baseline_endpoint, unshared_store=unshared_store)
+
+
+def _torchft_baseline(args: argparse.Namespace, work: Path, unshared_store: bool) -> Nodes:
+    from peers_env import peers_python
+    from torchft_cluster import TorchftCluster
+
+    return TorchftCluster(args, work, marks=work / "marks.jsonl", peers_python=peers_python())
+
+
+def _nvrx_baseline(args: argparse.Namespace, work: Path, unshared_store: bool) -> Nodes:
+    from nvrx_cluster import NvrxCluster
+    from peers_env import peers_python
+
+    return NvrxCluster(args, work, marks=work / "marks.jsonl", peers_python=peers_python(), max_restarts=5)
+
+
+BASELINES: dict[str, Callable[[argparse.Namespace, Path, bool], Nodes]] = {
+    "torchrun": _torchrun_baseline, "torchft": _torchft_baseline, "nvrx": _nvrx_baseline}
+"""--baseline choices: plain torchrun with the classic restore (examples/classic_train.py), and
+the peers (scripts/torchft_cluster.py, scripts/nvrx_cluster.py), from their own environment."""
 
 
 def _signal_tree(pid: int, sig: signal.Signals) -> None:
@@ -600,7 +667,8 @@ def main() -> None:
                         help="a memory snapshot every K steps (the memory tier; 0: off); each node gets a tmpfs of "
                              "its own in a mount namespace of its own (root)")
     parser.add_argument("--memory-mb", type=int, default=None, help="each node's tmpfs size (default 4x --state-mb)")
-    parser.add_argument("--baseline", action="store_true")
+    parser.add_argument("--baseline", nargs="?", const="torchrun", default=None, choices=sorted(BASELINES),
+                        help="run the same fault on a baseline too (default torchrun with the classic restore)")
     parser.add_argument("--cap-s", type=float, default=120)
     parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")
@@ -640,14 +708,17 @@ def main() -> None:
     if args.netns:
         report["addresses"] = args.addresses
     if args.baseline:
-        # The plain torchrun that does recover (torch's switch against its shared store: without
-        # it, new workers read the dead round's peer addresses), and the plain one as it ships.
+        # torchrun twice: with torch's switch against its shared store (without it, new workers read
+        # the dead round's peer addresses), the torchrun that recovers, and as it ships.
         scenario = args.scenario.split(",")[0]
-        for key, unshared, what in (("baseline", True, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
-                                    ("baseline_shared_store", False, "torch's shared store")):
-            report[key] = base = run_baseline(args, work, scenario, unshared_store=unshared)
-            shown = f"> {base['cap_s']:.0f} s (capped)" if base["capped"] else f"{base['recovery_s']:.2f} s"
-            print(f"baseline (torchrun + rank-0 torch.load + broadcast, {what}): {shown}", flush=True)
+        stores = ([("baseline", True), ("baseline_shared_store", False)] if args.baseline == "torchrun"
+                  else [("baseline", False)])
+        for key, unshared in stores:
+            report[key] = base = run_baseline(args, work, scenario, args.baseline, unshared_store=unshared)
+            shown = f"> {base['cap_s']:.0f} s (capped)" if base["capped"] else \
+                f"{base['recovery_s']:.2f} s, pause {base['pause_s']:.2f} s"
+            print(f"{key} ({args.baseline}{', torch shared store' if key == 'baseline_shared_store' else ''}): {shown}",
+                  flush=True)
             if not base["capped"]:
                 report[f"speedup_vs_{key}"] = base["recovery_s"] / runs[0]["recovery_s"]
     if args.json:

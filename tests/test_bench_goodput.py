@@ -30,9 +30,10 @@ def test_the_schedule_rotates_over_live_nodes_and_spares_node_0():
                                             Fault(40, "kill", 1), Fault(45, "rejoin", 2)]
 
 
-def test_steps_recoveries_and_steps_lost_from_the_marks():
+def test_samples_steps_recoveries_and_pauses_from_the_marks():
     def mark(t, step, first=False, world=3):
-        return {"time": 1000.0 + t, "event": "first_step_done" if first else "step", "step": step, "world_size": world}
+        return {"time": 1000.0 + t, "event": "first_step_done" if first else "step", "step": step, "world_size": world,
+                "samples": 16 * world}
 
     marks = [mark(-5, 1, True, 2), mark(-4, 2, world=2),  # a smaller world before t0: not timed
              mark(0, 1, True), *[mark(t, t + 1) for t in range(1, 12)],  # trained to step 12, killed at 12 s
@@ -43,10 +44,24 @@ def test_steps_recoveries_and_steps_lost_from_the_marks():
     result = measure(marks, marks[2], 25, performed)
     # 12 - 10 lost at the kill, then 13 - 10 at the rejoin (not 12 - 10 again: what was trained
     # since the previous restart is what the rejoin threw away).
-    assert (result["steps"], result["recoveries"], result["steps_lost"]) == (13, 2, 2 + 3)
+    assert (result["recoveries"], result["steps_lost"]) == (2, 2 + 3)
+    # In the model at the end: steps 1..12, steps 11 and 12 as trained last (at 3 ranks, after the
+    # rejoin); the 2-rank steps 11..13 were rolled back.
+    assert result["steps"] == 12 and result["samples"] == 12 * 48
     kill, rejoin = result["recovery_details"]
     assert kill["cause"] == {"at_s": 12, "action": "kill", "node": 1} and kill["recovery_s"] == 3.0
     assert rejoin["step_at_failure"] == 13 and rejoin["recovery_s"] == 2.0
+    # The kill stopped training from 11 s to 15 s, the rejoin from 17 s to 20 s.
+    assert [(p["action"], p["pause_s"]) for p in result["pauses"]] == [("kill", 4.0), ("rejoin", 3.0)]
+
+
+def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
+    """torchft's survivors never roll back: their steps stay, each with the samples of the replica
+    groups that took part."""
+    marks = [{"time": 1000.0 + t, "event": "step", "step": t + 1, "world_size": 3 if t < 5 or t > 8 else 2,
+              "samples": 48 if t < 5 or t > 8 else 32} for t in range(12)]
+    result = measure(marks, marks[0], 20, [(Fault(5, "kill", 2), 1005.5)])
+    assert (result["steps"], result["samples"], result["recoveries"]) == (12, 8 * 48 + 4 * 32, 0)
 
 
 def test_bench_goodput_writes_its_contract_and_leaves_no_process(tmp_path):

@@ -209,6 +209,10 @@ class Checkpointer:
             except Exception as exc:  # a collective of the save group failed (a peer died, a timeout)
                 raise CheckpointError(f"saving step {in_flight.step} failed in the background: {exc}") from exc
 
+    def saving(self) -> bool:
+        """Whether a save is still being written in the background (on this rank)."""
+        return self._in_flight is not None and not self._in_flight.future.done()
+
     def restore(self, app_state: Mapping[str, Any]) -> int | None:
         """Restore the snapshot the agent chose for this round (TORCHREVIVE_RESTORE_FROM), else the
         latest committed one, and return its step (None when there is no snapshot yet).
