@@ -1,20 +1,24 @@
 """The goodput benchmark's short form: 3 real nodes, one kill, the fault-free and memory-tier
-approaches (the job resumes from the peers' RAM); the JSON keeps its contract and no process outlives the script. Speed is measured by
-the script itself (scripts/bench_goodput.py), never here."""
+approaches (the job resumes from the peers' RAM) and, where their environment can be made, torchft
+and ft_launcher; the JSON keeps its contract and no process outlives the script. Speed is measured
+by the script itself (scripts/bench_goodput.py), never here."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
+import pytest
 from conftest import REPO, worker_env
 
 from agent.events import read_events
 
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_goodput import Fault, make_schedule, measure
+from peers_env import PeersUnavailable, peers_python
 
 DURATION_S = 60
 KILL_AT_S = 30
@@ -55,6 +59,14 @@ def test_samples_steps_recoveries_and_pauses_from_the_marks():
     assert [(p["action"], p["pause_s"]) for p in result["pauses"]] == [("kill", 4.0), ("rejoin", 3.0)]
 
 
+def test_a_rejoin_during_a_recovery_pauses_nothing_more():
+    marks = [{"time": 1000.0 + t, "event": "first_step_done" if t in (0, 20) else "step", "step": s, "world_size": 3,
+              "samples": 48} for t, s in [(0, 1), (1, 2), (2, 3), (20, 3), (21, 4)]]
+    performed = [(Fault(5, "kill", 1), 1005.0), (Fault(10, "rejoin", 1), 1010.0)]
+    kill, rejoin = measure(marks, marks[0], 30, performed)["pauses"]
+    assert (kill["pause_s"], rejoin["pause_s"]) == (18.0, 1.0)
+
+
 def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
     """torchft's survivors never roll back: their steps stay, each with the samples of the replica
     groups that took part."""
@@ -64,22 +76,35 @@ def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
     assert (result["steps"], result["samples"], result["recoveries"]) == (12, 8 * 48 + 4 * 32, 0)
 
 
-def test_bench_goodput_writes_its_contract_and_leaves_no_process(tmp_path):
-    out = tmp_path / "goodput.json"
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> tuple[dict, Path, str | None]:
+    """One short run of the benchmark: fault-free, the memory tier and, when their environment
+    can be made, the peers; (report, work dir, why the peers did not run)."""
+    tmp = tmp_path_factory.mktemp("goodput")
+    try:
+        peers_python()
+        approaches, no_peers = ["fault_free", "torchrevive_memory", "torchft", "nvrx"], None
+    except PeersUnavailable as exc:
+        approaches, no_peers = ["fault_free", "torchrevive_memory"], str(exc)
+    out = tmp / "goodput.json"
     done = subprocess.run(
         [sys.executable, "scripts/bench_goodput.py", "--nodes", "3", "--state-mb", "4", "--duration-s", str(DURATION_S),
-         "--kill-every-s", str(KILL_AT_S), "--rejoin-after-s", "1000", "--approaches", "fault_free,torchrevive_memory",
-         "--interval-steps", "400",
-         "--work-dir", str(tmp_path / "work"), "--json", str(out)],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=900)
+         "--kill-every-s", str(KILL_AT_S), "--rejoin-after-s", "1000", "--approaches", ",".join(approaches),
+         "--interval-steps", "400", "--work-dir", str(tmp / "work"), "--json", str(out)],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), tmp / "work", no_peers
+
+
+def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
+    report, work, _ = short_run
     assert report["duration_s"] == DURATION_S
     assert report["schedule"] == [{"at_s": KILL_AT_S, "action": "kill", "node": 1}]  # never node 0; no rejoin in time
-    assert set(report["results"]) == {"fault_free", "torchrevive_memory"}
     for name, result in report["results"].items():
-        assert isinstance(result["steps"], int) and result["steps"] > 0, (name, result)
+        assert isinstance(result["samples"], int) and result["samples"] > 0, (name, result)
+        assert 0 < result["steps"] <= result["samples"] and result["peer_config"], (name, result)
         assert 0 < result["goodput"] <= 1.5 and result["steps_lost"] >= 0, (name, result)
+        assert result["full_world_step_s"] > 0, (name, result)
     assert report["results"]["fault_free"]["goodput"] == 1.0
     memory = report["results"]["torchrevive_memory"]
     # One kill; a survivor a moment late can still miss the first round and join at once, a second
@@ -88,9 +113,27 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(tmp_path):
     details = memory["recovery_details"]
     assert details[0]["cause"]["action"] == "kill" and details[-1]["world_size"] == 2
     assert sum(d["step_at_failure"] - d["step_restored"] for d in details) == memory["steps_lost"] >= 0
-    events = read_events(tmp_path / "work" / "torchrevive_memory" / "events.jsonl")
+    assert memory["pauses"][0]["action"] == "kill" and memory["pauses"][0]["pause_s"] > 0
+    # examples/train.py keeps its global batch of 48 at any world size.
+    assert memory["samples"] == 48 * memory["steps"]
+    events = read_events(work / "torchrevive_memory" / "events.jsonl")
     # Storage snapshots 400 steps apart (a few seconds here): the survivors resume from the peers' RAM.
     assert [e["source"] for e in events if e["event"] == "restore_done"][-2:] == ["memory", "memory"]
-    work = str(tmp_path / "work")
-    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if work in " ".join(p.info["cmdline"] or [])]
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers
+
+
+def test_the_peers_run_under_the_same_schedule(short_run):
+    """torchft's survivors go on at 2 of 3 replica groups (16 samples a step each); ft_launcher
+    restarts every worker from rank 0's checkpoint."""
+    report, _, no_peers = short_run
+    if no_peers:
+        pytest.skip(no_peers)
+    torchft, nvrx = report["results"]["torchft"], report["results"]["nvrx"]
+    assert torchft["recoveries"] == 0 and torchft["steps_lost"] == 0, torchft
+    assert 16 * 2 * torchft["steps"] <= torchft["samples"] < 16 * 3 * torchft["steps"], torchft
+    assert torchft["pauses"][0]["pause_s"] > 0
+    assert torchft["peer_config"]["lighthouse"]["heartbeat_timeout_ms"] > 0
+    assert nvrx["recoveries"] == 1 and nvrx["recovery_details"][0]["world_size"] == 2, nvrx
+    assert nvrx["recovery_details"][0]["cause"]["action"] == "kill"
+    assert nvrx["peer_config"]["launcher"].startswith("ft_launcher")
