@@ -34,12 +34,13 @@ kill or a rejoin) that completed its first step in time; steps_lost sums, over r
 highest step trained since the previous restart less the step it restored. pauses: for each fault,
 the longest time between two consecutive steps from the fault to the next fault (or the end) that
 no earlier fault's pause took (a rejoin during a kill's recovery may pause nothing more).
-full_world_step_s: the median time of a step at the full world size after another such step;
+timeline: [seconds since t0, step, world size] about every second and around every pause or
+rollback (scripts/plot_goodput.py draws it). full_world_step_s: the median time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
 
 JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
 "samples", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
-"speed_between_faults", "recovery_details": [...], "peer_config", ...}}, "date", "machine", ...}.
+"speed_between_faults", "timeline", "recovery_details": [...], "peer_config", ...}}, "date", "machine", ...}.
 """
 
 from __future__ import annotations
@@ -208,7 +209,20 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
             "faults": len(performed),
             "pauses": pauses(steps, performed, t0, t0 + duration_s),
             "full_world_step_s": full_world_step_s(steps, start["world_size"]),
+            "timeline": timeline(steps, t0),
             "recovery_details": details}
+
+
+def timeline(steps: list[dict], t0: float, every_s: float = 1.0) -> list[list[float]]:
+    """[seconds since t0, step, world size] of the first step in each ``every_s`` and of every
+    step after which training paused or rolled back: steps over time, for a picture."""
+    points: list[list[float]] = []
+    for m, after in zip(steps, [*steps[1:], None]):
+        at = m["time"] - t0
+        kept = not points or at - points[-1][0] >= every_s
+        if kept or after is None or after["time"] - m["time"] >= every_s or after["step"] <= m["step"]:
+            points.append([round(at, 2), m["step"], m["world_size"]])
+    return points
 
 
 def full_world_step_s(steps: list[dict], world_size: int) -> float | None:
