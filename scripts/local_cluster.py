@@ -521,7 +521,7 @@ def run_baseline(args: argparse.Namespace, work: Path, scenario: str, approach: 
         before = [m for m in read_events(nodes.records) if m["event"] in ("step", "first_step_done")][-1]
         victim = min(args.fault_node, max(nodes.nodes))
         if scenario == "kill":
-            nodes.signal(victim, signal.SIGKILL)
+            nodes.kill(victim)
         elif scenario == "freeze":
             nodes.signal(victim, signal.SIGSTOP)
         elif scenario == "join":

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import psutil
 import pytest
@@ -19,6 +20,7 @@ from agent.events import read_events
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_goodput import Fault, make_schedule, measure
 from peers_env import PeersUnavailable, peers_python
+from plot_goodput import draw
 
 DURATION_S = 60
 KILL_AT_S = 30
@@ -137,3 +139,16 @@ def test_the_peers_run_under_the_same_schedule(short_run):
     assert nvrx["recoveries"] == 1 and nvrx["recovery_details"][0]["world_size"] == 2, nvrx
     assert nvrx["recovery_details"][0]["cause"]["action"] == "kill"
     assert nvrx["peer_config"]["launcher"].startswith("ft_launcher")
+
+
+def test_the_picture_draws_each_approach_and_each_fault():
+    report = {"duration_s": 30, "schedule": [{"at_s": 10, "action": "kill", "node": 1},
+                                             {"at_s": 20, "action": "rejoin", "node": 1}],
+              "results": {name: {"goodput": goodput, "started_from_step": 4,
+                                 "timeline": [[0.0, 5, 3], [10.0, 15, 3], [14.0, 12, 2], [30.0, 30, 3]]}
+                          for name, goodput in (("fault_free", 1.0), ("torchft", 0.9))}}
+    svg = ElementTree.fromstring(draw(report))  # well-formed
+    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 2 and lines[0].get("stroke") != lines[1].get("stroke")
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert "kill 1" in texts and "rejoin 1" in texts and "torchft (goodput 0.900)" in texts
