@@ -35,7 +35,7 @@ highest step trained since the previous restart less the step it restored. pause
 the longest time between two consecutive steps from the fault to the next fault (or the end) that
 no earlier fault's pause took (a rejoin during a kill's recovery may pause nothing more).
 timeline: [seconds since t0, step, world size] about every second and around every pause or
-rollback (scripts/plot_goodput.py draws it). full_world_step_s: the median time of a step at the full world size after another such step;
+rollback (scripts/plot_goodput.py draws it). full_world_step_s: the mean time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
 
 JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
@@ -226,11 +226,12 @@ def timeline(steps: list[dict], t0: float, every_s: float = 1.0) -> list[list[fl
 
 
 def full_world_step_s(steps: list[dict], world_size: int) -> float | None:
-    """The median time of a step at ``world_size`` that followed another (no restart between):
-    how fast the approach trains between faults, saves included."""
+    """The mean time of a step at ``world_size`` that followed another (no restart between): how
+    fast the approach trains between faults, its saves included (a mean, not a median: a save
+    slows a few steps a lot)."""
     times = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])
              if b["event"] == "step" and a["world_size"] == b["world_size"] == world_size and b["step"] == a["step"] + 1]
-    return statistics.median(times) if times else None
+    return statistics.fmean(times) if times else None
 
 
 def model_history(steps: list[dict], since_step: int) -> list[dict]:

@@ -43,7 +43,7 @@ def draw(report: dict) -> str:
         dash = "4,3" if fault["action"] == "kill" else "1,3"
         parts.append(f'<line x1="{x(fault["at_s"]):.1f}" y1="{y(0)}" x2="{x(fault["at_s"]):.1f}" y2="{y(top)}" '
                      f'stroke="grey" stroke-dasharray="{dash}"/>')
-        parts.append(f'<text x="{x(fault["at_s"]) + 3:.1f}" y="{y(top) + 12}" fill="grey">{fault["action"]} '
+        parts.append(f'<text x="{x(fault["at_s"]) + 3:.1f}" y="{y(0) - 4}" fill="grey">{fault["action"]} '
                      f'{fault["node"]}</text>')
     for i, (name, points) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
