@@ -12,9 +12,9 @@ for M in torchrevive, torchsnapshot_take, torchsnapshot_async_take, dcp_save, dc
 first one in the same process, as training sees it every interval) until it may change the state
 again; ``first_blocking_s``: the same for the first save (staging buffers are allocated then).
 ``done_s``: from the call until the method reports the snapshot done; ``durable_s``: until it is
-done and on disk, like for like: torchrevive's "done" means committed and fsync'ed, the peers' do
-not fsync (``fsyncs``), so their files and directories are fsync'ed here once they are done, and
-that time is added. ``slowdown``: a training step of the same model (forward, backward and Adam
+done and on disk, like for like: torchrevive's and DCP's "done" come after an fsync of every file,
+torchsnapshot's does not (``fsyncs``), so its files and directories are fsync'ed here once it is
+done, and that time is added. ``slowdown``: a training step of the same model (forward, backward and Adam
 on a batch of 16) while a background save is being written, over the same step with no save in
 flight (median of each; None for the methods that write before they return, and when the write
 ended before one step did).
@@ -40,8 +40,10 @@ import torch.distributed as dist
 from bench_restore import WIDTH, build_state, dcp_state, machine, state_bytes
 
 METHODS = ["torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"]
-FSYNCS = {"torchrevive": True, "torchsnapshot_take": False, "torchsnapshot_async_take": False, "dcp_save": False,
-          "dcp_async_save": False}
+FSYNCS = {"torchrevive": True, "torchsnapshot_take": False, "torchsnapshot_async_take": False, "dcp_save": True,
+          "dcp_async_save": True}
+"""Whether the method's "done" means on disk: DCP's FileSystemWriter fsyncs each file (its
+``sync_files``, on by default); torchsnapshot's file-system plugin does not."""
 
 Save = Callable[[int], tuple[Callable[[], None], Callable[[], bool]]]
 """Starts save number i; returns once the caller may change the state again, with a function
