@@ -82,7 +82,8 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_heavy():
     assert {"pyproject.toml", "README.md", "agent", "launcher", "examples"} <= set(copied)
     for path in [*copied, "agent/checkpoint/write.py", "examples/train.py"]:
         assert not dockerignored(path, rules), f"{path} is copied by the Dockerfile but excluded by .dockerignore"
-    for path in [".venv/bin/python", ".git/HEAD", "tests/data/k8s_schemas/kubeflow.org_pytorchjobs.yaml",
+    for path in [".venv/bin/python", ".venv-peers/bin/python", ".git/HEAD",
+                 "tests/data/k8s_schemas/kubeflow.org_pytorchjobs.yaml",
                  "docs/results/x.json", "checkpoints/step_1", "agent/__pycache__/config.cpython-311.pyc",
                  "torchrevive.egg-info/PKG-INFO", ".pytest_cache/v"]:
         assert dockerignored(path, rules), f"{path} would be sent to the docker build context"
