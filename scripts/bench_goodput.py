@@ -32,8 +32,10 @@ rollback threw away count not at all), from t0 on. steps: that history's steps f
 goodput: samples / the fault-free run's samples. A recovery is a restart of training (after a
 kill or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the
 highest step trained since the previous restart less the step it restored. pauses: for each fault,
-the longest time between two consecutive steps from the fault to the next fault (or the end) that
-no earlier fault's pause took (a rejoin during a kill's recovery may pause nothing more).
+the longest time between two consecutive steps that is its own: the first fault that struck during
+it (or one median step before its end: that step was under way) owns it, so a rejoin during a
+kill's recovery pauses nothing more; a time no fault struck is the last fault's before it (a save's
+stall after a fault counts as that fault's).
 timeline: [seconds since t0, step, world size] about every second and around every pause or
 rollback (scripts/plot_goodput.py draws it). full_world_step_s: the mean time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
@@ -207,7 +209,7 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
             "steps_lost": sum(d["step_at_failure"] - d["step_restored"] for d in details),
             "started_from_step": start["step"] - 1,
             "faults": len(performed),
-            "pauses": pauses(steps, performed, t0, t0 + duration_s),
+            "pauses": pauses(steps, performed),
             "full_world_step_s": full_world_step_s(steps, start["world_size"]),
             "timeline": timeline(steps, t0),
             "recovery_details": details}
@@ -244,19 +246,21 @@ def model_history(steps: list[dict], since_step: int) -> list[dict]:
     return [last[n] for n in range(since_step + 1, final + 1) if n in last]
 
 
-def pauses(steps: list[dict], performed: list[tuple[Fault, float]], t0: float, end: float) -> list[dict[str, Any]]:
-    """For each fault, the longest time between two consecutive steps from the fault to the next
-    fault (or ``end``), a time no earlier fault's pause took: the pause in training it caused."""
+def pauses(steps: list[dict], performed: list[tuple[Fault, float]]) -> list[dict[str, Any]]:
+    """For each fault, the longest time between two consecutive steps that is its own: a time is
+    the first fault's that struck during it, or up to one median step before it ended (that step
+    was under way at the fault); one that no fault struck is the last fault's before it."""
     times = [m["time"] for m in steps]
     gaps = list(zip(times, times[1:]))
-    taken: set[int] = set()
-    found = []
-    for (fault, at), until in zip(performed, [*(at for _, at in performed[1:]), end]):
-        mine = [i for i, (a, b) in enumerate(gaps) if b > at and a < until and i not in taken]
-        longest = max(mine, key=lambda i: gaps[i][1] - gaps[i][0], default=None)
-        taken.add(longest)
-        found.append({**asdict(fault), "pause_s": None if longest is None else gaps[longest][1] - gaps[longest][0]})
-    return found
+    step_s = statistics.median(b - a for a, b in gaps) if gaps else 0.0
+    longest: list[float | None] = [None] * len(performed)
+    for a, b in gaps:
+        struck = [i for i, (_, at) in enumerate(performed) if a - step_s <= at < b]
+        before = [i for i, (_, at) in enumerate(performed) if at < a]
+        owner = struck[0] if struck else (before[-1] if before else None)
+        if owner is not None and (longest[owner] is None or b - a > longest[owner]):
+            longest[owner] = b - a
+    return [{**asdict(fault), "pause_s": pause} for (fault, _), pause in zip(performed, longest)]
 
 
 def recovery(restart: dict, since: float, steps: list[dict], performed: list[tuple[Fault, float]],

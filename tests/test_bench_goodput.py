@@ -69,6 +69,18 @@ def test_a_rejoin_during_a_recovery_pauses_nothing_more():
     assert (kill["pause_s"], rejoin["pause_s"]) == (18.0, 1.0)
 
 
+def test_a_pause_is_the_faults_it_spans_or_follows():
+    """A step that ends just after a kill (its all-reduce was done) does not hide the kill's pause;
+    a pause that began before a kill, after a rejoin, is the kill's."""
+    times = [*range(0, 20), 20.1, 26.0, 27.0, 28.0, 29.5, 37.0, 38.0]
+    marks = [{"time": 1000.0 + t, "event": "step", "step": i + 1, "world_size": 3, "samples": 48}
+             for i, t in enumerate(times)]
+    performed = [(Fault(20, "kill", 1), 1020.0), (Fault(25, "rejoin", 1), 1025.0), (Fault(30, "kill", 2), 1030.0)]
+    kill, rejoin, second_kill = measure(marks, marks[0], 40, performed)["pauses"]
+    assert kill["pause_s"] == pytest.approx(26.0 - 20.1) and second_kill["pause_s"] == pytest.approx(37.0 - 29.5)
+    assert rejoin["pause_s"] == pytest.approx(1.5)  # 28 -> 29.5, its own
+
+
 def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
     """torchft's survivors never roll back: their steps stay, each with the samples of the replica
     groups that took part."""
