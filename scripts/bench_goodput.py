@@ -67,7 +67,9 @@ from typing import Any
 
 from local_cluster import ClassicCluster, Cluster, Nodes, state_bytes, width_for
 from local_ports import free_port
+from nvrx_cluster import NvrxCluster
 from peers_env import peers_python
+from torchft_cluster import TorchftCluster
 
 from agent.events import read_events
 
@@ -117,15 +119,11 @@ def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
 
 def torchft_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
     """torchft replica groups, one per node, and their Lighthouse."""
-    from torchft_cluster import TorchftCluster
-
     return TorchftCluster(args, work, marks=marks, peers_python=args.peers_python)
 
 
 def nvrx_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
     """ft_launcher agents with the classic restore."""
-    from nvrx_cluster import NvrxCluster
-
     return NvrxCluster(args, work, marks=marks, peers_python=args.peers_python, max_restarts=MAX_RESTARTS)
 
 

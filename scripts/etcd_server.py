@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from local_ports import free_port
+from local_ports import free_port, wait_listening
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
@@ -98,17 +96,8 @@ class EtcdServer:
         )
 
     def wait_listening(self, timeout: float = 30) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                code = None if self._proc is None else self._proc.returncode
-                raise RuntimeError(f"etcd {self.name} exited with {code}; see {self.data_dir.with_suffix('.log')}")
-            try:
-                with socket.create_connection((self.host, self.client_port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError(f"etcd did not listen on {self.endpoint} within {timeout:.0f} s")
+        wait_listening(self._proc, self.host, self.client_port, name=f"etcd {self.name}",
+                       log=self.data_dir.with_suffix(".log"), timeout=timeout)
 
     def start(self, timeout: float = 30) -> None:
         self.launch()

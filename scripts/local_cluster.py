@@ -143,6 +143,14 @@ class Nodes:
         _kill_tree(self.nodes[index].pid)
         self.nodes.pop(index).wait()
 
+    def pids(self, index: int) -> set[int]:
+        """Node ``index``'s agent and workers, as they are now."""
+        try:
+            root = psutil.Process(self.nodes[index].pid)
+            return {root.pid, *(p.pid for p in root.children(recursive=True))}
+        except (psutil.NoSuchProcess, KeyError):
+            return set()
+
     def kill_worker(self, index: int) -> None:
         workers = [p for p in psutil.Process(self.nodes[index].pid).children(recursive=True)
                    if self.script in " ".join(p.cmdline())]
@@ -235,14 +243,6 @@ class Cluster(Nodes):
         """The last step rank 0 finished at or before ``moment`` (from the job's step marks)."""
         steps = [r["step"] for r in read_events(self.marks) if r["time"] <= moment] if self.marks.exists() else []
         return max(steps, default=None)
-
-    def pids(self, index: int) -> set[int]:
-        """Node ``index``'s agent and workers, as they are now."""
-        try:
-            root = psutil.Process(self.nodes[index].pid)
-            return {root.pid, *(p.pid for p in root.children(recursive=True))}
-        except (psutil.NoSuchProcess, KeyError):
-            return set()
 
     def _host_flag(self, index: int) -> list[str]:
         """With c10d, node 0 hosts the store, whichever agent gets to the port first."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -23,3 +26,19 @@ def free_port() -> int:
             accepted, _ = listener.accept()
             accepted.close()  # this side closes first: the TIME_WAIT is on the port itself
         return port
+
+
+def wait_listening(proc: subprocess.Popen | None, host: str, port: int, *, name: str, log: Path,
+                   timeout: float = 30) -> None:
+    """Wait until the server ``proc`` (called ``name``, logging to ``log``) accepts connections on
+    ``host:port``; RuntimeError when it exits first, TimeoutError after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {None if proc is None else proc.returncode}; see {log}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{name} did not listen on {host}:{port} within {timeout:.0f} s; see {log}")

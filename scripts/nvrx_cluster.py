@@ -33,7 +33,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import psutil
 from local_cluster import Nodes, job_env, per_rank_batch, width_for
 from local_ports import free_port
 
@@ -77,27 +76,19 @@ class NvrxCluster(Nodes):
                 "--batch-size", str(self.batch_size)]
 
     def kill(self, index: int) -> None:
-        self.killed |= self._tree(index)
+        self.killed |= self.pids(index)
         super().kill(index)
 
     def stop(self) -> None:
         """Kill every node, then remove the IPC sockets (/tmp/_ft_launcher<pid>*.socket) that its
         launchers and rank monitors, killed, left behind."""
         for index in self.nodes:
-            self.killed |= self._tree(index)
+            self.killed |= self.pids(index)
         super().stop()
         for pid in self.killed:
             for path in [*Path(tempfile.gettempdir()).glob(f"_ft_launcher{pid}.*"),
                          *Path(tempfile.gettempdir()).glob(f"_ft_launcher{pid}_*")]:
                 path.unlink(missing_ok=True)
-
-    def _tree(self, index: int) -> set[int]:
-        """Node ``index``'s launcher, rank monitors and workers, as they are now."""
-        try:
-            root = psutil.Process(self.nodes[index].pid)
-            return {root.pid, *(p.pid for p in root.children(recursive=True))}
-        except psutil.NoSuchProcess:
-            return set()
 
     @property
     def peer_config(self) -> dict[str, Any]:

@@ -31,14 +31,12 @@ dropped, so that the values stated are the values in effect.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 from local_cluster import REPO, Nodes, job_env, per_rank_batch, width_for
-from local_ports import free_port
+from local_ports import free_port, wait_listening
 
 LIGHTHOUSE = {"min_replicas": 1, "quorum_tick_ms": 100, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}
 """torchft_lighthouse's flags: the README's, and heartbeat_timeout_ms lowered for fast recovery."""
@@ -89,17 +87,7 @@ class TorchftCluster(Nodes):
              *(arg for name, value in LIGHTHOUSE.items() for arg in (f"--{name}", str(value)))],
             cwd=REPO, env={**self.env, "RUST_BACKTRACE": "1"}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
-        deadline = time.time() + 30
-        while True:
-            if self.lighthouse.poll() is not None:
-                raise RuntimeError(f"torchft_lighthouse exited ({self.lighthouse.returncode}); see {log.name}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise TimeoutError(f"torchft_lighthouse not listening on port {port}; see {log.name}") from None
-                time.sleep(0.1)
+        wait_listening(self.lighthouse, "127.0.0.1", port, name="torchft_lighthouse", log=Path(log.name))
         self.env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
         super().start_all(count)
 
