@@ -4,8 +4,8 @@ cudaMemcpy ceiling; and pageable).
 
     python scripts/bench_cuda_restore.py --size-gb 2 --json out.json
 
-JSON: {"size_bytes", "device", "results": {"torchrevive_gbps", "h2d_pinned_gbps", "h2d_pageable_gbps"},
-"ratio_vs_pinned"}.
+JSON: {"size_bytes", "device", "torch", "date", "repeats", "results": {"torchrevive_gbps",
+"h2d_pinned_gbps", "h2d_pageable_gbps"}, "ratio_vs_pinned"}, each figure the median of the repeats.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main() -> None:
         }
         expected = build_state(size, seed=0)[0].state_dict()
         assert all(torch.equal(a.cpu(), b) for a, b in zip(device_model.state_dict().values(), expected.values()))
-    report = {"size_bytes": nbytes, "device": torch.cuda.get_device_name(), "results": results,
+    report = {"size_bytes": nbytes, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "results": results,
               "ratio_vs_pinned": results["torchrevive_gbps"] / results["h2d_pinned_gbps"]}
     for name, value in results.items():
         print(f"{name:20s} {value:7.2f} GB/s")

@@ -17,7 +17,8 @@ torchsnapshot's does not (``fsyncs``), so its files and directories are fsync'ed
 done, and that time is added. ``slowdown``: a training step of the same model (forward, backward and Adam
 on a batch of 16) while a background save is being written, over the same step with no save in
 flight (median of each; None for the methods that write before they return, and when the write
-ended before one step did).
+ended before one step did). A method whose process fails is left out of the later rounds and
+reported under "failed" with the end of its error output; the others go on.
 """
 
 from __future__ import annotations
@@ -162,14 +163,19 @@ def fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+class MethodFailed(Exception):
+    """A method's process failed; the message is the end of its error output."""
+
+
 def run_child(args: argparse.Namespace, method: str, root: Path) -> dict:
+    """One process of ``method``: its measurement, or MethodFailed."""
     root.mkdir(parents=True)
     try:
         out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--saves", str(args.saves),
                               "--device", args.device, "--child", method, str(root)],
                              capture_output=True, text=True, check=True)
     except subprocess.CalledProcessError as exc:
-        raise SystemExit(f"{method} failed:\n{exc.stderr[-4000:]}") from None
+        raise MethodFailed(exc.stderr[-4000:]) from None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -200,21 +206,35 @@ def main() -> None:
         print(json.dumps(measure(args.child[0], Path(args.child[1]), size_bytes, args.saves, args.device)))
         return
     methods = args.methods.split(",")
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
     runs: dict[str, list[dict]] = {m: [] for m in methods}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="torchrevive-bench-save-") as tmp:
         for round_ in range(args.repeats):
             for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
-                run = run_child(args, method, Path(tmp) / f"{method}-{round_}")
+                if method in failed:
+                    continue
+                try:
+                    run = run_child(args, method, Path(tmp) / f"{method}-{round_}")
+                except MethodFailed as exc:
+                    failed[method] = str(exc)
+                    print(f"round {round_}  {method:26s} failed, left out of the later rounds:\n{exc}", flush=True)
+                    continue
                 runs[method].append(run)
                 shown = "-" if run["slowdown"] is None else f"{run['slowdown']:.2f}x"
                 print(f"round {round_}  {method:26s} blocking {run['blocking_s']:6.3f} s (first "
                       f"{run['first_blocking_s']:6.3f})   durable {run['durable_s']:6.3f} s   steps meanwhile "
                       f"{shown}", flush=True)
-    size = runs[methods[0]][0]["state_bytes"]
-    results = {m: summarize(r, FSYNCS[m]) for m, r in runs.items()}
+    measured = {m: r for m, r in runs.items() if r}
+    if not measured:
+        raise SystemExit("every method failed")
+    size = next(iter(measured.values()))[0]["state_bytes"]
+    results = {m: summarize(r, FSYNCS[m]) for m, r in measured.items()}
     report: dict[str, Any] = {"size_bytes": size, "machine": machine(), "device": args.device,
                               "repeats": args.repeats, "saves": args.saves,
-                              "date": time.strftime("%Y-%m-%d"), "results": results}
+                              "date": time.strftime("%Y-%m-%d"), "results": results, "failed": failed}
     if "torchrevive" in results:
         ours = results["torchrevive"]
         report["torchrevive_blocking_s_per_gb"] = ours["blocking_s"] / (size / 1e9)
@@ -230,8 +250,12 @@ def main() -> None:
               f"{r['durable_s']:9.3f} {shown:>8s}  {'yes' if r['fsyncs'] else 'no (fsync added)'}")
     for name, ratio in report.get("ratios", {}).items():
         print(f"{name:45s} {ratio:6.3f}x")
+    for method in failed:
+        print(f"{method}: failed (its error is in the JSON's \"failed\")")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ measured by the script itself (scripts/bench_save.py), never here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+import bench_save
+import pytest
 from conftest import REPO, worker_env
 
 METHODS = {"torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"}
@@ -30,3 +33,17 @@ def test_bench_save_writes_its_contract(tmp_path):
         assert report["results"][blocking]["slowdown"] is None
     assert report["results"]["torchrevive"]["fsyncs"] is True
     assert report["torchrevive_blocking_s_per_gb"] > 0
+
+
+def test_a_method_whose_process_fails_is_reported_with_its_error(tmp_path):
+    """One method failing (say, a peer's bug in the torch at hand) leaves the others measured."""
+    args = argparse.Namespace(size_gb=0.01, saves=1, device="cpu")
+    with pytest.raises(bench_save.MethodFailed, match="unknown method 'no_such_method'"):
+        bench_save.run_child(args, "no_such_method", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_methods_are_refused_by_name():
+    done = subprocess.run([sys.executable, "scripts/bench_save.py", "--methods", "torchrevive,dcp_sav"],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--methods: unknown dcp_sav" in done.stderr, done.stderr
