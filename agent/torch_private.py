@@ -1,8 +1,9 @@
-"""Every private part of torch.distributed.elastic that torchrevive reaches into, in one place: the
-dynamic rendezvous's state, state holder and operation executor (the prompt re-rendezvous, the
-membership watch, the node ledger, etcd3's round state and outage tolerance), the agent's health
-check and store binding, and the worker processes' handler factory (warm workers). Nothing else
-in the package names a private torch attribute or class.
+"""Every private part of torch that torchrevive reaches into, in one place: in
+torch.distributed.elastic, the dynamic rendezvous's state, state holder and operation executor
+(the prompt re-rendezvous, the membership watch, the node ledger, etcd3's round state and outage
+tolerance), the agent's health check and store binding, and the worker processes' handler factory
+(warm workers); in torch.distributed.tensor, the strided shard placement of FSDP2 over tensor
+parallelism. Nothing else in the package names a private torch attribute or class.
 
 Each was read in torch 2.13, the only torch the package declares and tests (``torch>=2.13,<2.14``);
 another torch warns once, at import, because these names may have changed there (the tests then
@@ -250,3 +251,12 @@ def _is_local_address(host: str) -> bool:
                 continue
             return True
     return False
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's ``_StridedShard``: FSDP2 over tensor parallelism shards a
+    dimension the TP mesh dimension shards already, right to left. torch's own offset computation
+    (``compute_local_shape_and_global_offset``, which DCP uses too) gives such a shard's box."""
+    from torch.distributed.tensor.placement_types import _StridedShard  # not while the rendezvous imports
+
+    return isinstance(placement, _StridedShard)

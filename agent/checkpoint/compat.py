@@ -11,6 +11,11 @@ stay readable by torchsnapshot itself; only the faulty serialization helpers are
   ``torch.frombuffer`` refuses the empty buffer on load. Fixed by an empty buffer / tensor.
 * an empty DTensor or ShardedTensor shard (an uneven FSDP2 split leaves some ranks nothing):
   ``subdivide_shard`` divides by zero. Fixed by storing no chunk for an empty shard.
+* a DTensor placed with ``_StridedShard`` (FSDP2 over tensor parallelism, as torchtitan builds
+  it): the DTensor preparer's ``dim_map`` refuses every placement but ``Shard`` and ``Replicate``
+  ("Unsupported placement type"), although the shard's box, from torch's own
+  ``compute_local_shape_and_global_offset`` (what DCP writes too), is right. Fixed by mapping a
+  strided shard to the tensor dimension it shards, as a ``Shard`` is.
 
 :func:`install` is called by the Checkpointer before it saves; it is idempotent. The other uses
 of torchsnapshot's private helpers sit here too, checked against the same pinned version.
@@ -25,10 +30,14 @@ from typing import Any
 
 import torch
 import torchsnapshot
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 from torchsnapshot import batcher, serialization
+from torchsnapshot.io_preparers import dtensor as dtensor_preparer
 from torchsnapshot.io_preparers import sharded_tensor
 from torchsnapshot.io_preparers import tensor as tensor_preparer
+
+from agent import torch_private
 
 FIXED_VERSION = "2024.7.26"
 """The torchsnapshot-nightly release these fixes were written against (pinned in pyproject)."""
@@ -77,7 +86,23 @@ def install() -> None:
 
     serialization._tensor_as_memoryview_via_untyped_storage = via_untyped_storage
     sharded_tensor.ShardedTensorIOPreparer.subdivide_shard = staticmethod(subdivide_shard)
+    if not hasattr(dtensor_preparer.DTensorIOPreparer, "_get_dim_map"):
+        raise RuntimeError("torchsnapshot's DTensorIOPreparer._get_dim_map is gone: torchrevive's fixes need updating")
+    dtensor_preparer.DTensorIOPreparer._get_dim_map = staticmethod(dim_map)
     _installed = True
+
+
+def dim_map(value: DTensor) -> list[list[int]]:
+    """For each tensor dimension, the mesh dimensions that shard it ([-1]: none), as torchsnapshot's
+    ``DTensorEntry.dim_map`` records it; a strided shard counts as a shard of its dimension."""
+    mapped: list[list[int]] = [[] for _ in range(value.dim())]
+    for mesh_dim, placement in enumerate(value.placements):
+        if isinstance(placement, Shard) or torch_private.is_strided_shard(placement):
+            mapped[placement.dim].append(mesh_dim)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"cannot save a DTensor placed {placement} (mesh dimension {mesh_dim}): "
+                             "only Shard, _StridedShard and Replicate placements are")
+    return [dims or [-1] for dims in mapped]
 
 
 def _replace(module: Any, name: str, replacement: Any) -> None:
