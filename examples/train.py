@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -30,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import agent
 from examples.mlp import build_model, mark, synthetic_dataset
+from examples.worker_exit import run_then_exit
 
 
 def parse_args() -> argparse.Namespace:
@@ -145,17 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        main()  # @record has written the error file for the agent when this raises
-    except BaseException:
-        traceback.print_exc()
-        exit_code = 1
-    else:
-        exit_code = 0
-    # The process group is left alive and the process ends without destructors: torch 2.13's
-    # gloo process group can deadlock in its destructor when DDP's reducer drops the last
-    # reference to it (a worker thread finishing a collective waits for the GIL that the
-    # destructor holds), and the agent would then wait on this worker forever.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    run_then_exit(main)

@@ -29,9 +29,11 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def build(seed: int, world_size: int, tp: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """30 hidden rows: uneven once TP halves them (15) and FSDP splits those again (8 and 7)."""
+    """30 hidden rows: uneven once TP halves them (15) and FSDP splits those again (8 and 7). The
+    last layer is left whole by TP, so every TP rank of a data-parallel shard holds the same shard
+    of it (torchsnapshot writes it from one of them only)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 30), nn.GELU(), nn.Linear(30, 16))
+    model = nn.Sequential(nn.Linear(16, 30), nn.GELU(), nn.Linear(30, 16), nn.Linear(16, 12))
     if tp > 1:
         mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})

@@ -85,7 +85,9 @@ def load_metadata(snapshot: Path) -> SnapshotMetadata:
 def manifest_for_rank(metadata: SnapshotMetadata, rank: int) -> dict[str, Entry]:
     """The entries ``rank`` restores, by logical path ("model/0.weight"): its own per-rank
     entries, the fully replicated ones (written once, by rank 0), and every sharded tensor with
-    the shards of all ranks merged (each distinct box once).
+    the shards of all ranks merged (each distinct box once), whichever ranks wrote it: a shard that
+    several ranks hold is written by one of them (under FSDP2 over tensor parallelism, a parameter
+    that TP leaves whole is held alike by every TP rank of a data-parallel shard).
 
     A rank that did not exist when the snapshot was written takes rank 0's per-rank entries
     (optimizer param groups, step counters: the same on every rank of a data- or fully-sharded-
@@ -100,9 +102,10 @@ def manifest_for_rank(metadata: SnapshotMetadata, rank: int) -> dict[str, Entry]
     for logical_path, entry in per_rank[0].items():
         if is_fully_replicated_entry(entry):
             view.setdefault(logical_path, entry)
-    for logical_path, entry in view.items():
-        if isinstance(entry, (DTensorEntry, ShardedTensorEntry)) and not is_fully_replicated_entry(entry):
-            view[logical_path] = _merged(logical_path, per_rank)
+    sharded = {logical_path for manifest in per_rank for logical_path, entry in manifest.items()
+               if isinstance(entry, (DTensorEntry, ShardedTensorEntry)) and not is_fully_replicated_entry(entry)}
+    for logical_path in sharded:
+        view[logical_path] = _merged(logical_path, per_rank)
     return view
 
 

@@ -1,0 +1,234 @@
+"""Train the llama-style GPT of examples/gpt/model.py on the Python standard library's source
+(bytes), as a user of torchrevive would on a real job:
+
+- FSDP2 (`fully_shard`, each block then the root) over the data-parallel ranks, with optional
+  tensor parallelism (`--tp N`) on a 2-D DeviceMesh ("dp", "tp"); gloo on CPU, NCCL on CUDA;
+- `torch.compile` per transformer block (`--compile auto`: on where a C compiler exists);
+- AdamW, linear warm-up then cosine decay (a function of the step: nothing to checkpoint),
+  gradient clipping by the global norm;
+- a constant global batch of sequences at every world size, through `agent.ElasticSampler` and
+  the gradient accumulation steps the agent hands over;
+- `agent.Checkpointer` (storage and, where configured, the memory tier): resumes N -> M ranks from
+  the snapshot the agent chose, saves every `checkpoint.interval_steps`.
+
+    torchrevive run --nproc-per-node 2 examples/gpt/train.py --steps 50
+    torchrevive run --nproc-per-node 4 examples/gpt/train.py --tp 2 --dim 256 --layers 4
+
+Rank 0 prints the loss, tokens/s and the world every `--log-every` steps and, with `--marks PATH`,
+appends each step's mark (examples/mlp.py's `mark`, with its samples and tokens); the first step
+of a (re)start also reports `compile_s`, the seconds torch.compile spent in this process so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: examples.*
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import agent  # noqa: E402
+from examples.gpt.data import stdlib_windows  # noqa: E402
+from examples.gpt.model import GPT, GPTConfig, count_parameters  # noqa: E402
+from examples.mlp import mark  # noqa: E402
+from examples.worker_exit import run_then_exit  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dim", type=int, default=512, help="model width (512 with the defaults: 19.5 M parameters)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward width (default: about 8/3 dim)")
+    parser.add_argument("--tie-embeddings", action="store_true")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch-size", type=int, default=24,
+                        help="sequences per optimizer step across all data-parallel ranks (24 divides by 1-4, 6, 8)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the world must be a multiple)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="torch.compile each block (auto: where a C compiler exists)")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a share of --lr")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--data-bytes", type=int, default=8_000_000, help="bytes of standard-library source to train on")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--marks", default=None, help="rank 0 appends each step's mark (JSON lines) to this file")
+    return parser.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    hidden = args.ffn_hidden or 64 * math.ceil(8 * args.dim / 3 / 64)
+    return GPTConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, ffn_hidden=hidden,
+                     max_seq_len=args.seq_len, tie_embeddings=args.tie_embeddings)
+
+
+def compile_wanted(choice: str) -> bool:
+    return choice == "on" or (choice == "auto" and shutil.which(os.environ.get("CC", "cc")) is not None)
+
+
+def meshes(world_size: int, tp: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The data-parallel mesh, and the tensor-parallel one when ``tp`` > 1."""
+    if tp < 1 or world_size % tp:
+        raise SystemExit(f"--tp {tp}: the world size {world_size} is not a multiple of it "
+                         f"(set elastic.world_size_multiple_of: {tp} in the job config)")
+    if tp == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, compile_blocks: bool) -> None:
+    """Tensor parallelism inside each block, then torch.compile per block, then FSDP2 (each block,
+    then the root), in torchtitan's order."""
+    for block in model.layers:
+        if tp_mesh is not None:
+            if model.config.n_heads % tp_mesh.size():
+                raise SystemExit(f"--tp {tp_mesh.size()} must divide the {model.config.n_heads} heads")
+            parallelize_module(block, tp_mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            })
+        if compile_blocks:
+            block.compile()  # in place: the state dict keeps its names
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to --lr, then a cosine down to --min-lr-ratio x --lr at --steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    floor = args.lr * args.min_lr_ratio
+    return floor + (args.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global norm is at most ``max_norm``; returns the norm.
+    Works across meshes (FSDP2-only parameters are 1-D DTensors, TP ones 2-D)."""
+    squares = []
+    for param in parameters:
+        if param.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.detach().mul_(scale.to(param.grad.device))
+    return float(total)
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process (dynamo's own per-phase timers)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return sum(float(v) for name, v in zip(names, values) if name == "_compile.compile_inner")
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    ctx = agent.WorkerContext.from_env()
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    config = model_config(args)
+    model = GPT(config).to(device)
+    model.init_weights()
+    compiled = compile_wanted(args.compile)
+    parallelize(model, dp_mesh, tp_mesh, compiled)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if ctx.rank == 0:
+        print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={count_parameters(model)} "
+              f"dp={dp_mesh.size()} tp={args.tp} compile={compiled}", flush=True)
+
+    dataset = stdlib_windows(args.seq_len, args.data_bytes)
+    accum = ctx.grad_accum_steps
+    dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    if args.global_batch_size % (dp_size * accum):
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} does not divide into {dp_size} "
+                         f"data-parallel ranks x {accum} accumulation steps")
+    micro = args.global_batch_size // (dp_size * accum)
+    # Tensor-parallel ranks of one data-parallel group train the same sequences.
+    sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size, micro_batch_size=micro,
+                                   rank=dp_rank, world_size=dp_size, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
+
+    ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
+    app_state = {"model": model, "optim": optimizer, "data": sampler}
+    start = (ckpt.restore(app_state) or 0) if ckpt else 0
+    if start and ctx.rank == 0:
+        print(f"resumed from step {start}", flush=True)
+
+    tokens_per_step = args.global_batch_size * args.seq_len
+    batches = iter(loader)
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        total = torch.zeros((), device=device)
+        for _ in range(accum):
+            batch = next(batches, None)
+            if batch is None:  # the epoch ended: the sampler has moved on to the next one
+                batches = iter(loader)
+                batch = next(batches)
+            inputs, targets, _ = batch
+            logits = model(inputs.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(list(model.parameters()), args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sampler.advance()
+        dist.all_reduce(total, group=dp_mesh.get_group())
+        loss_value = total.item() / dp_size
+        window_steps += 1
+        if ctx.rank == 0:
+            first = step == start
+            if (step + 1) % args.log_every == 0 or first:
+                rate = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+                print(f"step={step + 1} loss={loss_value:.4f} grad_norm={grad_norm:.3f} "
+                      f"lr={learning_rate(step, args):.2e} tokens/s={rate:.0f} world_size={ctx.world_size}", flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+            if args.marks:
+                extra = {"compile_s": compile_seconds()} if first and compiled else {}
+                mark(args.marks, "first_step_done" if first else "step", step + 1, world_size=ctx.world_size,
+                     samples=args.global_batch_size, tokens=tokens_per_step, loss=loss_value, **extra)
+        if ckpt:
+            ckpt.maybe_save(step + 1, app_state)
+    if ckpt:
+        ckpt.wait()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_then_exit(main)
