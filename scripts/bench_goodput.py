@@ -65,7 +65,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from local_cluster import ClassicCluster, Cluster, Nodes, state_bytes, width_for
+from local_cluster import ClassicCluster, Cluster, Nodes
+from workloads import workload_of
 from local_ports import free_port
 from nvrx_cluster import NvrxCluster
 from peers_env import peers_python
@@ -328,7 +329,7 @@ def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, d
            work: Path | None) -> dict[str, Any]:
     """The JSON report: the contract's fields, the run's settings, the schedule, date and machine."""
     return {"duration_s": args.duration_s, "results": results, "schedule": [asdict(f) for f in schedule],
-            "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
+            "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": workload_of(args).state_bytes,
             "interval_steps": args.interval_steps, "kill_every_s": args.kill_every_s, "rejoin_after_s": args.rejoin_after_s,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": importlib.metadata.version("torch")},

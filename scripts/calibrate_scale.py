@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--state-mb", type=float, default=512, help="the local cluster's training state")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from local_cluster import width_for
+    from workloads import width_for
 
     first_touch, overwrite = first_touch_gbps(), overwrite_gbps()
     efficiency = parallel_efficiency(args.size_gb / 4, args.repeats)

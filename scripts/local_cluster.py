@@ -1,6 +1,7 @@
 """Fault-injection harness: K `torchrevive run` agents ("nodes") on 127.0.0.1 training
-examples/train.py with a state of a chosen size; once training is steady (a snapshot committed),
-a fault is injected and the recovery is timed from the job's event log.
+examples/train.py with a state of a chosen size (or, with `--workload gpt`, the compiled FSDP2
+transformer of examples/gpt/train.py); once training is steady (a snapshot committed), a fault is
+injected and the recovery is timed from the job's event log.
 
     python scripts/local_cluster.py --nodes 4 --nproc-per-node 1 --scenario kill --state-mb 512 \\
         --baseline --json out.json
@@ -38,13 +39,15 @@ scripts/setup_peers.sh on first use).
 `--memory-interval K` turns the memory tier on (a memory snapshot every K steps); each node then
 mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its own (root).
 
-JSON: {"scenario", "backend", "nodes", "nproc_per_node", "state_bytes", "torchrevive": {"recovery_s",
+JSON: {"scenario", "backend", "nodes", "nproc_per_node", "workload", "params", "state_bytes", "torchrevive": {"recovery_s",
 "world_size_before", "world_size_after", "restored_step", "restore_source" (memory or storage),
 "bytes_from_storage", "steps_lost" (the step reached when the agents stopped training, at the fault or,
 for a join that waited for a commit, after it, less the step restored), "deferred_s", "stall_s" (the job's
 pause in training: from rank 0's last step before the recovered job's first step to it; for a join,
 whose new node starts while the job trains on, less than recovery_s), "phases":
-{detect, rendezvous, workers_start, restore, first_step}}, "baseline": {"approach", "recovery_s" (from the
+{detect, rendezvous, workers_start, restore, first_step, and for a compiled GPT compile: the compile time
+of the first step after the restart, carved out of first_step}, "compile_cold_s" (the job's first compile;
+None for the MLP)}, "baseline": {"approach", "recovery_s" (from the
 fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
 "capped", "cap_s", "peer_config"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
@@ -72,12 +75,12 @@ import psutil
 import yaml
 from local_ports import free_port
 
+from workloads import GPT_SIZES, WORKLOADS, compile_cold_s, split_compile, width_for, workload_of
+
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
 
 REPO = Path(__file__).resolve().parents[1]
-SQUARE_LAYERS = 2
-"""examples/train.py's MLP: 64 -> W, then two W x W layers, then W -> 8."""
 GLOBAL_BATCH = 48
 """examples/train.py's samples per step (--global-batch-size), at every world size."""
 
@@ -86,18 +89,6 @@ def per_rank_batch(args: argparse.Namespace) -> int:
     """The samples per rank a step of a job with a fixed per-rank batch (the classic baseline and
     the peers): examples/train.py's global batch at the full world of ``args.nodes`` nodes."""
     return max(1, GLOBAL_BATCH // (args.nodes * args.nproc_per_node))
-
-
-def width_for(state_mb: float) -> int:
-    """The example MLP's hidden width whose parameters + Adam moments take about ``state_mb`` MB."""
-    params = state_mb * 1e6 / (3 * 4)
-    return max(64, int(math.sqrt(params / SQUARE_LAYERS)))
-
-
-def state_bytes(width: int) -> int:
-    """Parameters and Adam's two moments, float32."""
-    params = 64 * width + width + SQUARE_LAYERS * (width * width + width) + width * 8 + 8
-    return params * 4 * 3
 
 
 class Nodes:
@@ -196,7 +187,8 @@ class Cluster(Nodes):
         super().__init__(work, work / "events.jsonl", env)
         self.args = args
         self.events = self.records
-        self.width = width_for(args.state_mb)
+        self.workload = workload_of(args)
+        self.script = self.workload.script
         self.config = work / "job.yaml"
         self.marks = work / "marks.jsonl"
         self.memory_interval = getattr(args, "memory_interval", 0)
@@ -221,8 +213,8 @@ class Cluster(Nodes):
     def command(self, index: int) -> list[str]:
         local = [] if self.network is None else ["--local-addr", self.network.address(index)]
         command = [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
-                   *local, self.script, "--steps", str(getattr(self.args, "steps", 1_000_000)), "--width",
-                   str(self.width), "--marks", str(self.marks), *getattr(self.args, "train_args", [])]
+                   *local, self.workload.script, "--steps", str(getattr(self.args, "steps", 1_000_000)),
+                   *self.workload.args, "--marks", str(self.marks), *getattr(self.args, "train_args", [])]
         if self.memory_dir is not None:
             command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                        f'mount -t tmpfs -o size={self.memory_mb}m,mode=700 tmpfs {self.memory_dir} && exec "$@"', "sh",
@@ -341,7 +333,10 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             reached = cluster.step_at(fault_at + timeline["phases"]["detect"])
             if reached is not None and timeline["restored_step"] is not None:
                 timeline["steps_lost"] = reached - timeline["restored_step"]
-            timeline["stall_s"] = training_gap(read_events(cluster.marks), fault_at)
+            marks = read_events(cluster.marks)
+            timeline["stall_s"] = training_gap(marks, fault_at)
+            split_compile(timeline, marks, fault_at)
+            timeline["compile_cold_s"] = compile_cold_s(marks)
             results.append({"scenario": scenario, **timeline})
             print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
                   f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
@@ -610,7 +605,7 @@ def soak(args: argparse.Namespace, work: Path) -> None:
     with contextlib.ExitStack() as stack:
         result = run_in_network(args, work, stack, run_chaos)
     report = {"scenario": "chaos", "backend": args.backend, "nodes": args.nodes, "nproc_per_node": args.nproc_per_node,
-              "state_bytes": state_bytes(width_for(args.state_mb)), "seed": args.seed, "chaos": result,
+              "state_bytes": workload_of(args).state_bytes, "seed": args.seed, "chaos": result,
               "work_dir": str(work) if args.keep else None}
     print(json.dumps({"invariants": result["invariants"], "ok": result["ok"]}), flush=True)
     if args.json:
@@ -661,7 +656,11 @@ def main() -> None:
     parser.add_argument("--backend", default="c10d")
     parser.add_argument("--rdzv-endpoint", default=None, help="default: a free port (c10d), or an etcd this script "
                         "starts (etcd3)")
-    parser.add_argument("--state-mb", type=float, default=64)
+    parser.add_argument("--workload", choices=WORKLOADS, default="mlp",
+                        help="mlp: examples/train.py sized by --state-mb; gpt: examples/gpt/train.py (FSDP2)")
+    parser.add_argument("--gpt-size", choices=sorted(GPT_SIZES), default="default", help="--workload gpt: the model")
+    parser.add_argument("--compile", choices=("on", "off"), default="on", help="--workload gpt: torch.compile per block")
+    parser.add_argument("--state-mb", type=float, default=64, help="--workload mlp: the state's size")
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--memory-interval", type=int, default=0, metavar="K",
                         help="a memory snapshot every K steps (the memory tier; 0: off); each node gets a tmpfs of "
@@ -690,6 +689,8 @@ def main() -> None:
         parser.error("--scenario partition and slow-link need --netns")
     if "etcd-leader" in scenarios and args.backend != "etcd3":
         parser.error("--scenario etcd-leader needs --backend etcd3")
+    if args.workload != "mlp" and (args.baseline or args.chaos):
+        parser.error("--baseline and --chaos run --workload mlp only")
     if args.fault_node is None:
         args.fault_node = args.nodes - 1
     if args.backend == "c10d" and args.fault_node == 0:
@@ -702,8 +703,10 @@ def main() -> None:
         soak(args, work)
     with contextlib.ExitStack() as stack:
         runs = run_in_network(args, work, stack)
+    workload = workload_of(args)
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
-                              "nproc_per_node": args.nproc_per_node, "state_bytes": state_bytes(width_for(args.state_mb)),
+                              "nproc_per_node": args.nproc_per_node, "workload": workload.name,
+                              "params": workload.params, "state_bytes": workload.state_bytes,
                               "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None}
     if args.netns:
         report["addresses"] = args.addresses

@@ -33,7 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from local_cluster import Nodes, job_env, per_rank_batch, width_for
+from local_cluster import Nodes, job_env, per_rank_batch
+from workloads import width_for
 from local_ports import free_port
 
 LAST_CALL_S = 1

@@ -35,7 +35,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from local_cluster import REPO, Nodes, job_env, per_rank_batch, width_for
+from local_cluster import REPO, Nodes, job_env, per_rank_batch
+from workloads import width_for
 from local_ports import free_port, wait_listening
 
 LIGHTHOUSE = {"min_replicas": 1, "quorum_tick_ms": 100, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}

@@ -17,7 +17,7 @@ from conftest import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
-from local_cluster import width_for
+from workloads import width_for
 
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots
 from agent.events import read_events

@@ -1,0 +1,77 @@
+"""The training jobs the harness and the goodput benchmark run: the MLP of examples/train.py (sized by
+its state in MB) or the GPT of examples/gpt/train.py (FSDP2, compiled per block), and what their
+step marks say about compilation."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples.*
+from examples.gpt.model import GPT, count_parameters  # noqa: E402
+from examples.gpt.train import model_config, parse_args  # noqa: E402
+
+WORKLOADS = ("mlp", "gpt")
+SQUARE_LAYERS = 2
+"""examples/train.py's MLP: 64 -> W, then two W x W layers, then W -> 8."""
+GPT_SIZES: dict[str, list[str]] = {
+    "default": [],  # examples/gpt/train.py's own: 19.5 M parameters
+    "small": ["--dim", "256", "--layers", "4", "--heads", "4"],
+    "tiny": ["--dim", "64", "--layers", "1", "--heads", "2", "--seq-len", "32", "--data-bytes", "400000"],
+}
+"""Sizes of the GPT, as examples/gpt/train.py flags (tiny: for the tests)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    script: str
+    args: tuple[str, ...]
+    """The script's flags that pick the model (not --steps or --marks)."""
+    params: int
+    state_bytes: int
+    """Parameters and Adam's two moments, float32."""
+
+
+def width_for(state_mb: float) -> int:
+    """The example MLP's hidden width whose parameters + Adam moments take about ``state_mb`` MB."""
+    params = state_mb * 1e6 / (3 * 4)
+    return max(64, int(math.sqrt(params / SQUARE_LAYERS)))
+
+
+def mlp_params(width: int) -> int:
+    return 64 * width + width + SQUARE_LAYERS * (width * width + width) + width * 8 + 8
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The job that ``--workload`` (with ``--state-mb``, or ``--gpt-size`` and ``--compile``) names."""
+    if getattr(args, "workload", "mlp") == "mlp":
+        width = width_for(args.state_mb)
+        return Workload("mlp", "examples/train.py", ("--width", str(width)), mlp_params(width), mlp_params(width) * 12)
+    flags = (*GPT_SIZES[args.gpt_size], "--compile", args.compile)
+    with torch.device("meta"):  # counted without memory or initialization
+        params = count_parameters(GPT(model_config(parse_args(list(flags)))))
+    return Workload("gpt", "examples/gpt/train.py", flags, params, params * 12)
+
+
+def compile_cold_s(marks: list[dict]) -> float | None:
+    """The compile time of the job's first start (rank 0's first step, dynamo's own timers)."""
+    first = next((m for m in marks if m["event"] == "first_step_done"), None)
+    return None if first is None else first.get("compile_s")
+
+
+def split_compile(timeline: dict, marks: list[dict], after: float) -> None:
+    """Carve the compile time paid by the first step after ``after`` out of the timeline's
+    ``first_step`` phase (it is part of it) as ``phases.compile``: the phases still add up to the
+    recovery. Nothing when that step compiled nothing (compile off)."""
+    first = next((m for m in marks if m["event"] == "first_step_done" and m["time"] > after), None)
+    if first is None or first.get("compile_s") is None or "first_step" not in timeline["phases"]:
+        return
+    compile_s = min(first["compile_s"], timeline["phases"]["first_step"])
+    timeline["phases"]["first_step"] -= compile_s
+    timeline["phases"]["compile"] = compile_s
