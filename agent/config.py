@@ -14,6 +14,7 @@ import functools
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NewType, Union
@@ -299,8 +300,16 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
     return config
 
 
+RENAMED_KEYS = {"checkpoint.async_save": "checkpoint.staging"}
+"""Earlier names of keys, accepted with a DeprecationWarning until 0.3."""
+
+
 def set_value(config: JobConfig, path: str, value: Any, *, source: str) -> None:
     """Set one key, coercing ``value`` to the key's type; errors name ``source``."""
+    if path in RENAMED_KEYS:
+        warnings.warn(f"{source}: '{path}' is deprecated and will be removed in 0.3: it is now "
+                      f"'{RENAMED_KEYS[path]}'", DeprecationWarning, stacklevel=2)
+        path = RENAMED_KEYS[path]
     hints = _key_hints()
     if path not in hints:
         raise ConfigError(f"{source}: unknown key{_did_you_mean(path, hints)}")
@@ -380,9 +389,17 @@ def _validate_rendezvous(config: JobConfig, sources: dict[str, str], fail: Any) 
     elif rdzv.backend not in ("static", "c10d") and not rdzv.standalone:
         fail("rendezvous.endpoint", f"backend '{rdzv.backend}' needs an endpoint, e.g. --rdzv-endpoint 127.0.0.1:2379")
     known = KNOWN_RDZV_CONF_KEYS.get(rdzv.backend)
-    for key, value in rdzv.conf.items():
+    for key, value in list(rdzv.conf.items()):
         if known is not None and key not in known:
-            fail("rendezvous.conf", f"unknown option '{key}' for rendezvous backend '{rdzv.backend}'{_did_you_mean(key, known)}")
+            problem = f"unknown option '{key}' for rendezvous backend '{rdzv.backend}'{_did_you_mean(key, known)}"
+            given_by = sources.get(f"rendezvous.conf.{key}", "")
+            if not given_by.startswith(("--", "environment ")):
+                fail("rendezvous.conf", problem)
+            # torchrun hands its handler every key and the handler ignores those it does not know:
+            # a command line that runs under torchrun runs here too.
+            warnings.warn(f"{given_by}: {problem}; ignored, as torchrun ignores it", stacklevel=2)
+            del rdzv.conf[key]
+            continue
         if key in _RDZV_DURATION_KEYS:
             try:
                 seconds = parse_seconds(value)

@@ -127,6 +127,8 @@ def parse_run_args(argv: Sequence[str]) -> RunRequest:
             continue
         _apply_flag(config, dest, key, getattr(args, dest), source)
         sources[key] = source
+        if dest == "rdzv_conf":  # each key's own source: an unknown key from a flag is only a warning
+            sources.update({f"{key}.{name}": source for name in torch_private.parse_rendezvous_config(args.rdzv_conf)})
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         set_value(config, key, value, source=f"--set {assignment}")

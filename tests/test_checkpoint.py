@@ -205,3 +205,9 @@ def test_list_and_inspect_show_each_snapshot_and_its_state(tmp_path):
     assert "float16           1 tensors" in shown.stdout
     missing = cli("inspect", str(tmp_path / "step_4"))
     assert missing.returncode == 1 and "step_4/.snapshot_metadata: missing" in missing.stderr
+
+
+def test_the_earlier_name_of_staging_is_accepted_with_a_deprecation_warning(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"Checkpointer\(async_save=...\) is deprecated"):
+        checkpointer = Checkpointer(tmp_path, async_save=False, round=None)
+    assert checkpointer.staging is False

@@ -181,3 +181,12 @@ def test_durations(text, seconds):
 def test_bad_durations(text):
     with pytest.raises(ValueError):
         parse_seconds(text)
+
+
+def test_the_earlier_name_of_staging_is_accepted_with_a_deprecation_warning(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("checkpoint: {dir: /tmp/ck, async_save: false}\n")
+    with pytest.warns(DeprecationWarning, match=r"job.yaml: checkpoint.async_save: 'checkpoint.async_save' is "
+                                                r"deprecated .* now 'checkpoint.staging'"):
+        config = load_config(job, {})
+    assert config.checkpoint.staging is False

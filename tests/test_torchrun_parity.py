@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from torch.distributed import run as torchrun
 
-from agent.config import JobConfig
+from agent.config import ConfigError, JobConfig
 from launcher.launch import build_launch
 from launcher.torchrun_flags import (
     OWN_DESTS,
@@ -97,3 +97,16 @@ def test_standalone_uses_a_local_c10d_store_like_torchrun():
     config, _, _ = build_launch(parse_run_args(["--standalone", "--nproc-per-node", "2", "train.py"]))
     assert (config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes) == ("c10d", "localhost:0", 1, 1)
     assert config.run_id not in ("", "none")
+
+
+def test_an_unknown_rdzv_conf_key_from_the_command_line_is_ignored_with_a_warning_as_torchrun_does(tmp_path):
+    argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf",
+            "join_timeout=5,join_timout=7", "train.py"]
+    with pytest.warns(UserWarning, match=r"--rdzv-conf: unknown option 'join_timout' .*did you mean 'join_timeout'.*ignored"):
+        config, _, _ = build_launch(parse_run_args(argv))
+    assert "join_timeout" in config.rdzv_configs and "join_timout" not in config.rdzv_configs
+    # A job file keeps its strict check: there the key is a mistake to fix, not a command line to run.
+    job = tmp_path / "job.yaml"
+    job.write_text("rendezvous: {backend: c10d, endpoint: '127.0.0.1:1', conf: {join_timout: 7}}\n")
+    with pytest.raises(ConfigError, match=r"job.yaml: rendezvous.conf: unknown option 'join_timout'"):
+        parse_run_args(["--config", str(job), "train.py"])

@@ -77,6 +77,7 @@ class Checkpointer:
         memory: the memory tier's saver (see :mod:`agent.memory`); None: storage only.
         commit_notice: where to tell the node's agent of each committed snapshot
             (:mod:`agent.commit_notice`); None: nobody is told.
+        async_save: the earlier name of ``staging``, accepted with a DeprecationWarning until 0.3.
     """
 
     def __init__(
@@ -93,7 +94,12 @@ class Checkpointer:
         round: int | None = None,
         memory: MemorySaver | None = None,
         commit_notice: str | None = None,
+        async_save: bool | None = None,
     ) -> None:
+        if async_save is not None:
+            warnings.warn("Checkpointer(async_save=...) is deprecated and will be removed in 0.3: it is now "
+                          "Checkpointer(staging=...)", DeprecationWarning, stacklevel=2)
+            staging = async_save
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
         if on_busy not in ("wait", "skip") or verify not in ("off", "sample", "full"):
