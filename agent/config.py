@@ -132,6 +132,9 @@ class CheckpointSection:
     staging: bool = True
     on_busy: Literal["wait", "skip"] = "wait"
     verify: Literal["off", "sample", "full"] = "sample"
+    writer_nice: int = 10
+    """The niceness (0-19) of the threads that write snapshots in the background: 10 lets training
+    have the CPU first; 0 writes at training's priority."""
     memory_interval_steps: int = 0
     """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
     memory_dir: str | None = None
@@ -357,6 +360,8 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
     for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of", "restore.pinned_mb"):
         if config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1")
+    if not 0 <= config.checkpoint.writer_nice <= 19:
+        fail("checkpoint.writer_nice", f"{config.checkpoint.writer_nice} is not a niceness from 0 to 19 (0: training's priority)")
     if config.checkpoint.memory_interval_steps < 0:
         fail("checkpoint.memory_interval_steps", f"{config.checkpoint.memory_interval_steps} must be >= 0 (0: off)")
     if config.checkpoint.memory_interval_steps and not config.checkpoint.dir:

@@ -7,7 +7,8 @@ need one), the methods interleaved in a rotating order, median over the rounds.
 
 Writes {"size_bytes", "results": {M: {"blocking_s", "done_s", "durable_s", "first_blocking_s",
 "slowdown", ...}}, ...}
-for M in torchrevive, torchsnapshot_take, torchsnapshot_async_take, dcp_save, dcp_async_save.
+for M in torchrevive (its default writer niceness, 10), torchrevive_writer_nice_0, torchsnapshot_take,
+torchsnapshot_async_take, dcp_save, dcp_async_save.
 ``blocking_s``: the training thread is blocked by one save in steady state (a save after the
 first one in the same process, as training sees it every interval) until it may change the state
 again; ``first_blocking_s``: the same for the first save (staging buffers are allocated then).
@@ -40,9 +41,10 @@ import torch
 import torch.distributed as dist
 from bench_restore import WIDTH, build_state, dcp_state, machine, state_bytes
 
-METHODS = ["torchrevive", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"]
-FSYNCS = {"torchrevive": True, "torchsnapshot_take": False, "torchsnapshot_async_take": False, "dcp_save": True,
-          "dcp_async_save": True}
+METHODS = ["torchrevive", "torchrevive_writer_nice_0", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save",
+           "dcp_async_save"]
+FSYNCS = {"torchrevive": True, "torchrevive_writer_nice_0": True, "torchsnapshot_take": False,
+          "torchsnapshot_async_take": False, "dcp_save": True, "dcp_async_save": True}
 """Whether the method's "done" means on disk: DCP's FileSystemWriter fsyncs each file (its
 ``sync_files``, on by default); torchsnapshot's file-system plugin does not."""
 
@@ -66,8 +68,10 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
     from agent.checkpoint import Checkpointer
 
     app = {"model": model, "optim": optim}
-    if method == "torchrevive":
-        ckpt = Checkpointer(root, keep=1_000)  # old snapshots are removed outside the timing, as for the others
+    if method in ("torchrevive", "torchrevive_writer_nice_0"):
+        # Old snapshots are removed outside the timing, as for the others; the second method writes
+        # at training's priority (checkpoint.writer_nice: 0) instead of the default niceness.
+        ckpt = Checkpointer(root, keep=1_000, **({"writer_nice": 0} if method.endswith("nice_0") else {}))
 
         def save(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
             ckpt.save(i, app)

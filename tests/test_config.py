@@ -92,6 +92,7 @@ def test_bad_yaml_gets_one_clear_error(tmp_path, text, expected):
         ("rendezvous: {backend: c10d, conf: {join_timeout: 'ten'}}", r"join_timeout: 'ten' is not a duration"),
         ("rendezvous: {backend: c10d, conf: {join_timeout: 1500ms}}", r"join_timeout: 1500ms is not whole seconds"),
         ("checkpoint: {keep: 0}", r"checkpoint.keep: 0 must be >= 1"),
+        ("checkpoint: {writer_nice: 25}", r"job.yaml: checkpoint.writer_nice: 25 is not a niceness from 0 to 19"),
         ("elastic: {global_batch_size: 64}", r"set both elastic.global_batch_size and elastic.micro_batch_size"),
         ("elastic: {global_batch_size: 64, micro_batch_size: 5}", r"64 is not a multiple of elastic.micro_batch_size 5"),
         ("observability: {metrics_port: 70000}", r"observability.metrics_port: port 70000 is outside"),

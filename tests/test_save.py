@@ -329,3 +329,27 @@ def test_on_busy_skip_skips_a_save_while_the_previous_one_is_written(tmp_path, m
     assert ckpt.save(3, app)  # nothing in flight: saves again
     ckpt.wait()
     assert ckpt.latest() == tmp_path / "ckpt" / "step_3"
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_snapshot_files_are_written_by_threads_that_yield_the_cpu_to_training(tmp_path, monkeypatch, staging):
+    import os
+
+    from agent.checkpoint import write
+
+    niceness: dict[int, int] = {}
+    real_write = write.DurableFSPlugin._write_durably
+
+    def noting_niceness(plugin, relative, buf):
+        real_write(plugin, relative, buf)
+        thread = threading.get_native_id()
+        niceness[thread] = os.getpriority(os.PRIO_PROCESS, thread)
+
+    monkeypatch.setattr(write.DurableFSPlugin, "_write_durably", noting_niceness)
+    for nice in (10, 0):
+        niceness.clear()
+        checkpointer = Checkpointer(tmp_path / f"nice{nice}", staging=staging, writer_nice=nice, round=None)
+        checkpointer.save(1, {"model": nn.Linear(300, 300)})
+        checkpointer.wait()
+        assert niceness and set(niceness.values()) == {nice}, niceness
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # training's thread is untouched

@@ -32,7 +32,7 @@ from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir
 from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
-from agent.checkpoint.write import write_snapshot
+from agent.checkpoint.write import lower_thread_priority, write_snapshot
 from agent.commit_notice import write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
@@ -77,6 +77,9 @@ class Checkpointer:
         memory: the memory tier's saver (see :mod:`agent.memory`); None: storage only.
         commit_notice: where to tell the node's agent of each committed snapshot
             (:mod:`agent.commit_notice`); None: nobody is told.
+        writer_nice: the niceness (0-19) of the threads that write the snapshot in the
+            background and of the memory tier's writer: 10 lets training's threads have the CPU
+            first; 0 writes at training's priority.
         async_save: the earlier name of ``staging``, accepted with a DeprecationWarning until 0.3.
     """
 
@@ -94,6 +97,7 @@ class Checkpointer:
         round: int | None = None,
         memory: MemorySaver | None = None,
         commit_notice: str | None = None,
+        writer_nice: int = 10,
         async_save: bool | None = None,
     ) -> None:
         if async_save is not None:
@@ -102,6 +106,8 @@ class Checkpointer:
             staging = async_save
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
+        if not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice ({writer_nice}) must be a niceness from 0 to 19")
         if on_busy not in ("wait", "skip") or verify not in ("off", "sample", "full"):
             raise ValueError(f"on_busy must be 'wait' or 'skip' (got {on_busy!r}); verify 'off', 'sample' or "
                              f"'full' (got {verify!r})")
@@ -115,7 +121,9 @@ class Checkpointer:
         self.events = events or EventLog.for_worker()
         self.round = round if round is not None else WorkerContext.from_env().round
         self._stager = Stager() if staging else None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-save") if staging else None
+        self.writer_nice = writer_nice
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-save",
+                                          initializer=lower_thread_priority, initargs=(writer_nice,)) if staging else None
         self._group: dist.ProcessGroup | None = None
         self.memory = memory
         self.commit_notice = commit_notice
@@ -143,8 +151,9 @@ class Checkpointer:
                              "trust_pickles": config.restore.trust_pickles, "pinned_mb": config.restore.pinned_mb},
             events=EventLog.for_worker(ctx),
             round=ctx.round,
-            memory=_memory_saver(ctx, config.checkpoint.memory_interval_steps),
+            memory=_memory_saver(ctx, config.checkpoint.memory_interval_steps, config.checkpoint.writer_nice),
             commit_notice=_notice_path(ctx),
+            writer_nice=config.checkpoint.writer_nice,
         )
 
     def latest(self) -> Path | None:
@@ -273,7 +282,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(save.written, ignore_errors=True)  # a leftover of a failed save of this round
         barrier(group)
-        record = write_snapshot(save.written, state, replicated=replicated, group=group)
+        record = write_snapshot(save.written, state, replicated=replicated, group=group, nice=self.writer_nice)
 
         def committed(nbytes: int) -> None:
             self.events.record("save_committed", step=step, snapshot=str(save.final),
@@ -289,12 +298,13 @@ class Checkpointer:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
 
 
-def _memory_saver(ctx: WorkerContext, interval_steps: int) -> MemorySaver | None:
+def _memory_saver(ctx: WorkerContext, interval_steps: int, writer_nice: int) -> MemorySaver | None:
     """The memory tier's saver, when the job turns it on and the agent gave this rank a memory dir."""
     if not interval_steps or not ctx.memory_dir or ctx.round is None:
         return None
     return MemorySaver(Path(ctx.memory_dir), interval_steps=interval_steps, buddy=ctx.memory_buddy, round=ctx.round,
-                       local_rank=ctx.local_rank, events=EventLog.for_worker(ctx), commit_notice=_notice_path(ctx))
+                       local_rank=ctx.local_rank, events=EventLog.for_worker(ctx), commit_notice=_notice_path(ctx),
+                       writer_nice=writer_nice)
 
 
 def _notice_path(ctx: WorkerContext) -> str | None:

@@ -9,6 +9,10 @@ commit never lists the directory, re-reads a file, or touches another rank's fil
 A failed write (a full disk, say) is recorded, not raised: the rank goes on through
 torchsnapshot's collectives with the others, and the commit, where every rank's outcome is
 gathered, fails the save on every rank at once instead of leaving the others in a barrier.
+
+The threads that write (and hash) run at a lower CPU priority (``nice``, a thread's own on
+Linux), so that a background save takes the CPU time training leaves, not training's: on a
+machine whose cores training uses, it is the save that waits.
 """
 
 from __future__ import annotations
@@ -30,6 +34,20 @@ from agent.checkpoint.durable import fsync_dir
 
 PROTOCOL = "torchrevive"
 _RECORD_OPTION = "torchrevive_record"
+_NICE_OPTION = "torchrevive_nice"
+_thread_nice = threading.local()
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Run the calling thread (and the threads it starts later) at niceness ``nice`` (0: leave it).
+    Idempotent per thread; a niceness the process is not allowed to set is left as it is."""
+    if nice <= 0 or getattr(_thread_nice, "value", 0) >= nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:  # below the process's own niceness without CAP_SYS_NICE: keep that one
+        pass
+    _thread_nice.value = nice
 
 
 @dataclass
@@ -57,6 +75,7 @@ class DurableFSPlugin(StoragePlugin):
         options = storage_options or {}
         self.root = root
         self.record: WriteRecord = options.get(_RECORD_OPTION) or WriteRecord()
+        self.nice: int = options.get(_NICE_OPTION, 0)
         self._reader = FSStoragePlugin(root)
         self._dirs_made: set[str] = set()
 
@@ -69,6 +88,7 @@ class DurableFSPlugin(StoragePlugin):
             self.record.fail(f"writing {os.path.join(self.root, write_io.path)}: {exc}")
 
     def _write_durably(self, relative: str, buf: Any) -> None:
+        lower_thread_priority(self.nice)
         path = os.path.join(self.root, relative)
         directory = os.path.dirname(path)
         if directory not in self._dirs_made:
@@ -112,15 +132,16 @@ def storage_plugin(path: str, storage_options: dict[str, Any] | None = None) -> 
 
 
 def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[str],
-                   group: dist.ProcessGroup | None) -> WriteRecord:
-    """torchsnapshot writes ``app_state`` into ``path`` over ``group``; what this rank wrote.
+                   group: dist.ProcessGroup | None, nice: int = 0) -> WriteRecord:
+    """torchsnapshot writes ``app_state`` into ``path`` over ``group``; what this rank wrote. The
+    file writes run at niceness ``nice``.
 
     Every rank of ``group`` calls this together. Errors in the files are in the record; anything
     else torchsnapshot raises is recorded too, so that the commit's collective still runs."""
     record = WriteRecord()
     try:
         torchsnapshot.Snapshot.take(f"{PROTOCOL}://{path}", app_state, pg=group, replicated=replicated,
-                                    storage_options={_RECORD_OPTION: record})
+                                    storage_options={_RECORD_OPTION: record, _NICE_OPTION: nice})
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the commit
         record.fail(f"torchsnapshot failed writing {path}: {type(exc).__name__}: {exc}")
     return record

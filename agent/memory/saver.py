@@ -30,7 +30,7 @@ from agent.checkpoint.collectives import first_error, own_group, rank
 from agent.checkpoint.commit import agree_and_commit
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
-from agent.checkpoint.write import write_snapshot
+from agent.checkpoint.write import lower_thread_priority, write_snapshot
 from agent.commit_notice import write_notice
 from agent.events import EventLog
 from agent.memory.layout import KEY_FILE, MemorySnapshot, discard, prune
@@ -53,7 +53,7 @@ class MemorySaver:
     """
 
     def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
-                 events: EventLog, commit_notice: str | None = None) -> None:
+                 events: EventLog, commit_notice: str | None = None, writer_nice: int = 10) -> None:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
         self._buddy = parse_address(buddy) if buddy else None
         self._secret = read_key(self.root / KEY_FILE) if buddy else b""
@@ -61,7 +61,9 @@ class MemorySaver:
         """The rendezvous run this node's agent serves: each commit marker names it."""
         self._local_rank, self.events, self._commit_notice = local_rank, events, commit_notice
         self._stager = Stager()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory")
+        self.writer_nice = writer_nice
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrevive-memory",
+                                          initializer=lower_thread_priority, initargs=(writer_nice,))
         self._group: dist.ProcessGroup | None = None
         self._in_flight: Future[None] | None = None
         self._warned: set[str] = set()
@@ -98,7 +100,7 @@ class MemorySaver:
         snapshot = MemorySnapshot(self.round, step)
         path = self.root / snapshot.relative
         try:
-            record = write_snapshot(path, staged, replicated=replicated, group=group)
+            record = write_snapshot(path, staged, replicated=replicated, group=group, nice=self.writer_nice)
             error = record.error or self._replicate(path, snapshot, record.files)
         except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
             self._failed(snapshot, f"{type(exc).__name__}: {exc}")  # this rank never reached the commit
