@@ -135,6 +135,8 @@ class CheckpointSection:
     writer_nice: int = 10
     """The niceness (0-19) of the threads that write snapshots in the background: 10 lets training
     have the CPU first; 0 writes at training's priority."""
+    write_threads: int = 2
+    """Snapshot writes in flight at once per rank (torchsnapshot's default: 16)."""
     memory_interval_steps: int = 0
     """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
     memory_dir: str | None = None
@@ -357,7 +359,8 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
     if config.job.monitor_interval <= 0:
         fail("job.monitor_interval", "must be > 0 seconds")
     _validate_rendezvous(config, sources, fail)
-    for path in ("checkpoint.interval_steps", "checkpoint.keep", "elastic.world_size_multiple_of", "restore.pinned_mb"):
+    for path in ("checkpoint.interval_steps", "checkpoint.keep", "checkpoint.write_threads",
+                 "elastic.world_size_multiple_of", "restore.pinned_mb"):
         if config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1")
     if not 0 <= config.checkpoint.writer_nice <= 19:

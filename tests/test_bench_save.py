@@ -12,7 +12,7 @@ import bench_save
 import pytest
 from conftest import REPO, worker_env
 
-METHODS = {"torchrevive", "torchrevive_writer_nice_0", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save",
+METHODS = {"torchrevive", "torchrevive_unthrottled", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save",
            "dcp_async_save"}
 
 

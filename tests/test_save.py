@@ -353,3 +353,17 @@ def test_snapshot_files_are_written_by_threads_that_yield_the_cpu_to_training(tm
         checkpointer.wait()
         assert niceness and set(niceness.values()) == {nice}, niceness
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # training's thread is untouched
+
+
+@pytest.mark.parametrize("preset, expected", [(None, 3), ("5", 5)])
+def test_write_threads_caps_torchsnapshot_writes_in_flight_unless_the_environment_says(preset, expected):
+    """In a fresh process: the knob is process-wide, read by torchsnapshot from the environment."""
+    env = worker_env()
+    env.pop("TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE", None)
+    if preset is not None:
+        env["TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"] = preset
+    code = ("from agent.checkpoint import Checkpointer; from torchsnapshot import knobs; "
+            "Checkpointer('/nonexistent', write_threads=3, round=None); print(knobs.get_max_per_rank_io_concurrency())")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == expected

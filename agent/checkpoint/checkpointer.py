@@ -32,7 +32,7 @@ from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir
 from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
-from agent.checkpoint.write import lower_thread_priority, write_snapshot
+from agent.checkpoint.write import limit_write_threads, lower_thread_priority, write_snapshot
 from agent.commit_notice import write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
@@ -80,6 +80,9 @@ class Checkpointer:
         writer_nice: the niceness (0-19) of the threads that write the snapshot in the
             background and of the memory tier's writer: 10 lets training's threads have the CPU
             first; 0 writes at training's priority.
+        write_threads: snapshot writes in flight at once per rank (torchsnapshot's I/O concurrency,
+            16 by its default), for every snapshot this process writes; the environment's
+            ``TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE`` wins when set.
         async_save: the earlier name of ``staging``, accepted with a DeprecationWarning until 0.3.
     """
 
@@ -98,6 +101,7 @@ class Checkpointer:
         memory: MemorySaver | None = None,
         commit_notice: str | None = None,
         writer_nice: int = 10,
+        write_threads: int = 2,
         async_save: bool | None = None,
     ) -> None:
         if async_save is not None:
@@ -106,12 +110,14 @@ class Checkpointer:
             staging = async_save
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
-        if not 0 <= writer_nice <= 19:
-            raise ValueError(f"writer_nice ({writer_nice}) must be a niceness from 0 to 19")
+        if not 0 <= writer_nice <= 19 or write_threads < 1:
+            raise ValueError(f"writer_nice ({writer_nice}) must be a niceness from 0 to 19, write_threads "
+                             f"({write_threads}) >= 1")
         if on_busy not in ("wait", "skip") or verify not in ("off", "sample", "full"):
             raise ValueError(f"on_busy must be 'wait' or 'skip' (got {on_busy!r}); verify 'off', 'sample' or "
                              f"'full' (got {verify!r})")
         compat.install()
+        limit_write_threads(write_threads)
         self.root = Path(dir)
         self.interval_steps = interval_steps
         self.keep = keep
@@ -154,6 +160,7 @@ class Checkpointer:
             memory=_memory_saver(ctx, config.checkpoint.memory_interval_steps, config.checkpoint.writer_nice),
             commit_notice=_notice_path(ctx),
             writer_nice=config.checkpoint.writer_nice,
+            write_threads=config.checkpoint.write_threads,
         )
 
     def latest(self) -> Path | None:

@@ -11,8 +11,11 @@ torchsnapshot's collectives with the others, and the commit, where every rank's 
 gathered, fails the save on every rank at once instead of leaving the others in a barrier.
 
 The threads that write (and hash) run at a lower CPU priority (``nice``, a thread's own on
-Linux), so that a background save takes the CPU time training leaves, not training's: on a
-machine whose cores training uses, it is the save that waits.
+Linux), and there are few of them (:func:`limit_write_threads`; torchsnapshot's default is 16 per
+rank), so that a background save takes the CPU time training leaves, not training's: on a machine
+whose cores training uses, it is the save that waits. Niceness alone is not enough: the kernel
+shares the CPU by the sum of the threads' weights, and 16 writers at niceness 10 still weigh
+almost as much as two training threads.
 """
 
 from __future__ import annotations
@@ -33,9 +36,17 @@ from agent.checkpoint.checksums import FileDigest, digest_buffer
 from agent.checkpoint.durable import fsync_dir
 
 PROTOCOL = "torchrevive"
+IO_CONCURRENCY_ENV = "TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"
+"""torchsnapshot's knob: how many writes (and reads) a rank has in flight at once."""
 _RECORD_OPTION = "torchrevive_record"
 _NICE_OPTION = "torchrevive_nice"
 _thread_nice = threading.local()
+
+
+def limit_write_threads(threads: int) -> None:
+    """At most ``threads`` snapshot writes in flight per rank, for every snapshot this process
+    takes (torchsnapshot reads it from the environment), unless the environment sets it already."""
+    os.environ.setdefault(IO_CONCURRENCY_ENV, str(threads))
 
 
 def lower_thread_priority(nice: int) -> None:
