@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import agent
 from examples.mlp import build_model, mark, synthetic_dataset
-from examples.worker_exit import run_then_exit
+from examples.worker_process import device_and_process_group, run_then_exit
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,11 +77,7 @@ def wrap(model: nn.Module, use_fsdp: bool, device: torch.device, *, broadcast: b
 def main() -> None:
     args = parse_args()
     ctx = agent.WorkerContext.from_env()
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = device_and_process_group(ctx)
     torch.manual_seed(args.seed)
     # The agent named a snapshot for this round: every parameter is about to be overwritten.
     resuming = ctx.checkpoint_dir is not None and ctx.restore_from is not None

@@ -46,7 +46,7 @@ import agent  # noqa: E402
 from examples.gpt.data import stdlib_windows  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, count_parameters  # noqa: E402
 from examples.mlp import mark  # noqa: E402
-from examples.worker_exit import run_then_exit  # noqa: E402
+from examples.worker_process import device_and_process_group, run_then_exit  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,11 +152,7 @@ def compile_seconds() -> float:
 def main() -> None:
     args = parse_args()
     ctx = agent.WorkerContext.from_env()
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = device_and_process_group(ctx)
     dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank

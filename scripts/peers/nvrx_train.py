@@ -55,4 +55,4 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
     sys.stdout.flush()
-    os._exit(0)  # see examples/worker_exit.py: torch 2.13's gloo destructor can deadlock
+    os._exit(0)  # see examples/worker_process.py: torch 2.13's gloo destructor can deadlock

@@ -187,4 +187,4 @@ if __name__ == "__main__":
     main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # see examples/worker_exit.py: torch 2.13's gloo destructor can deadlock
+    os._exit(0)  # see examples/worker_process.py: torch 2.13's gloo destructor can deadlock
