@@ -188,7 +188,6 @@ class Cluster(Nodes):
         self.args = args
         self.events = self.records
         self.workload = workload_of(args)
-        self.script = self.workload.script
         self.config = work / "job.yaml"
         self.marks = work / "marks.jsonl"
         self.memory_interval = getattr(args, "memory_interval", 0)
@@ -209,6 +208,17 @@ class Cluster(Nodes):
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
             "observability": {"event_log": str(self.events)},
         }))
+
+    @property
+    def script(self) -> str:  # type: ignore[override]  (the workload's, not a fixed one)
+        return self.workload.script
+
+    @property
+    def width(self) -> int:
+        """The MLP's hidden width (the chaos checks rebuild the model from it)."""
+        if self.workload.width is None:
+            raise ValueError(f"the {self.workload.name} workload has no MLP width")
+        return self.workload.width
 
     def command(self, index: int) -> list[str]:
         local = [] if self.network is None else ["--local-addr", self.network.address(index)]

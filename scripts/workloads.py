@@ -36,6 +36,8 @@ class Workload:
     params: int
     state_bytes: int
     """Parameters and Adam's two moments, float32."""
+    width: int | None = None
+    """The MLP's hidden width (None for the GPT)."""
 
 
 def width_for(state_mb: float) -> int:
@@ -48,11 +50,16 @@ def mlp_params(width: int) -> int:
     return 64 * width + width + SQUARE_LAYERS * (width * width + width) + width * 8 + 8
 
 
+def mlp_workload(width: int) -> Workload:
+    """examples/train.py's MLP of hidden width ``width``."""
+    return Workload("mlp", "examples/train.py", ("--width", str(width)), mlp_params(width), mlp_params(width) * 12,
+                    width)
+
+
 def workload_of(args: argparse.Namespace) -> Workload:
     """The job that ``--workload`` (with ``--state-mb``, or ``--gpt-size`` and ``--compile``) names."""
     if getattr(args, "workload", "mlp") == "mlp":
-        width = width_for(args.state_mb)
-        return Workload("mlp", "examples/train.py", ("--width", str(width)), mlp_params(width), mlp_params(width) * 12)
+        return mlp_workload(width_for(args.state_mb))
     flags = (*GPT_SIZES[args.gpt_size], "--compile", args.compile)
     with torch.device("meta"):  # counted without memory or initialization
         params = count_parameters(GPT(model_config(parse_args(list(flags)))))

@@ -20,6 +20,7 @@ from agent.checkpoint.dirs import committed_snapshots
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
 import local_cluster
+from workloads import mlp_workload
 
 
 def harness_args(**overrides) -> argparse.Namespace:
@@ -82,7 +83,7 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
     faulty.mkdir()
     args = harness_args(scenario="kill", steps=STEPS, train_args=["--log-samples", str(faulty / "samples.jsonl")])
     cluster = local_cluster.Cluster(args, faulty)
-    cluster.width = WIDTH
+    cluster.workload = mlp_workload(WIDTH)
     try:
         for index in range(3):
             cluster.start(index)
