@@ -65,8 +65,14 @@ def workers_seen(tmp_path: Path, nproc: int) -> list[dict]:
 
 
 def started_as(tmp_path: Path) -> tuple[str, str | None]:
-    [started] = [e for e in read_events(tmp_path / "events") if e["event"] == "workers_started"]
-    return started["start"], started["spawn_reason"]
+    """How the agent started the round's workers. Its event can come after the workers' own files:
+    a spawned worker may run before the agent has recorded that it started it."""
+
+    def started() -> list[dict]:
+        return [e for e in read_events(tmp_path / "events") if e["event"] == "workers_started"]
+
+    [event] = wait_until(started, TIMEOUT_S, "the agent's workers_started event")
+    return event["start"], event["spawn_reason"]
 
 
 def gone(pid: int) -> bool:
