@@ -199,7 +199,8 @@ class Cluster(Nodes):
         self.conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
                      "keep_alive_max_attempt": 3}
         self.config.write_text(yaml.safe_dump({
-            "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"1:{args.nodes}", "nproc_per_node": args.nproc_per_node,
+            "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"{getattr(args, 'min_nodes', 1)}:{args.nodes}",
+                    "nproc_per_node": args.nproc_per_node,
                     "max_restarts": getattr(args, "max_restarts", 5), "monitor_interval": 0.1},
             "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": self.conf},
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,

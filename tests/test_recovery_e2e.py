@@ -146,7 +146,9 @@ def test_standby_nodes_keep_the_world_size_a_multiple(tmp_path):
 
 
 def test_a_finished_job_ends_its_standby_node_too(tmp_path):
-    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=20), tmp_path)
+    # Three nodes at least: a node that reached the rendezvous after a 20-step job ended would find
+    # its store host gone and fail, as under torchrun.
+    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=20, min_nodes=3), tmp_path)
     try:
         for index in range(3):
             cluster.start(index)
