@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from agent.errors import RestoreError
     from agent.restore.dcp_reader import FastStorageReader
     from agent.restore.engine import RestoreStats
+    from agent.resilient import Round, RoundEnded, run_resilient
     from agent.worker import WorkerContext
 
 _HOMES = {
@@ -34,11 +35,14 @@ _HOMES = {
     "FastStorageReader": "agent.restore.dcp_reader",
     "RestoreError": "agent.errors",
     "RestoreStats": "agent.restore.engine",
+    "Round": "agent.resilient",
+    "RoundEnded": "agent.resilient",
+    "run_resilient": "agent.resilient",
     "WorkerContext": "agent.worker",
 }
 
 __all__ = ["CheckpointError", "Checkpointer", "ElasticSampler", "FastStorageReader", "RestoreError", "RestoreStats",
-           "WorkerContext", "restore"]
+           "Round", "RoundEnded", "WorkerContext", "restore", "run_resilient"]
 
 
 def restore(path: str | Path, app_state: Mapping[str, Any], **options: Any) -> RestoreStats:

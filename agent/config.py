@@ -174,6 +174,11 @@ class ElasticSection:
     """A joining node is admitted at the next committed snapshot (memory or storage) when the
     snapshots so far say one is due within this long: training goes on meanwhile, and the restart
     then loses only the steps trained while the workers stop. 0: admitted at once."""
+    in_process: bool = False
+    """Survivors of a membership change keep their processes: their workers leave the round and
+    re-form in the next one (a training script written with ``agent.run_resilient``); a node
+    whose workers do not all leave within ``in_process_deadline`` restarts them."""
+    in_process_deadline: Seconds = Seconds(5.0)
 
 
 @dataclass(kw_only=True)
@@ -378,6 +383,8 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
             fail(path, f"port {port} is outside 0..65535")
     if config.launch.shutdown_timeout is not None and config.launch.shutdown_timeout < 0:
         fail("launch.shutdown_timeout", "must be >= 0 seconds")
+    if config.elastic.in_process_deadline <= 0:
+        fail("elastic.in_process_deadline", "must be > 0 seconds")
     if config.elastic.join_wait < 0:
         fail("elastic.join_wait", "must be >= 0 seconds (0: a joining node is admitted at once)")
     elastic = config.elastic

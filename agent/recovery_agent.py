@@ -49,7 +49,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
 
-from agent import health, torch_private, worker
+from agent import health, regroup, torch_private, worker
 from agent.commit_notice import read_notice
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError, StaleRoundError
@@ -124,6 +124,12 @@ class RecoveryAgent(LocalElasticAgent):
         # Where the node's local rank 0 tells of each commit (agent.commit_notice); the agent's own.
         self._notice_dir = Path(tempfile.mkdtemp(prefix="torchrevive-agent-"))
         self._commit_notice = self._notice_dir / "commit_notice.json"
+        # Where survivors' workers re-form rounds in-process with this agent (agent.regroup).
+        self._regroup_dir = self._notice_dir / "regroup" if job.elastic.in_process else None
+        if self._regroup_dir is not None:
+            self._regroup_dir.mkdir()
+        self._regroup_pending = False
+        """The workers left the round alive: the next round is handed to them, not started anew."""
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -157,6 +163,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.MEMORY_DIR: str(self._memory.root) if self._memory else "",
             worker.MEMORY_BUDDY: self._memory_buddy,
             worker.COMMIT_NOTICE: str(self._commit_notice),
+            worker.REGROUP_DIR: str(self._regroup_dir or ""),
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -253,9 +260,16 @@ class RecoveryAgent(LocalElasticAgent):
         self._prefetch_stop.set()
         self._pull_ahead()
         started = time.monotonic()
-        self._stop_workers(self._worker_group)
+        fallback = self._leave_in_process() if self._regroup_dir is not None else None
+        self._regroup_pending = fallback == ""
+        if self._regroup_pending:
+            self.events.record("workers_stopped", seconds=time.monotonic() - started, path="in_process")
+        else:
+            if fallback:
+                self.events.record("in_process_fallback", reason=fallback)
+            self._stop_workers(self._worker_group)
+            self.events.record("workers_stopped", seconds=time.monotonic() - started, path="restart")
         self._worker_group.state = WorkerState.STOPPED
-        self.events.record("workers_stopped", seconds=time.monotonic() - started)
         self._machine.workers_stopped()
         self._initialize_workers(self._worker_group)
 
@@ -274,9 +288,53 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory.pull_ahead(group.store, self._round, group.group_rank, self._nodes_used,
                                 [w.global_rank for w in group.workers], group.workers[0].world_size, pulled)
 
+    def _leave_in_process(self) -> str:
+        """Ask this node's workers to leave the round and wait until each says it left: "" when
+        all did, else why the round takes the restart path here."""
+        group, directory = self._worker_group, self._regroup_dir
+        assert directory is not None and self._round is not None, "in-process rounds need a rendezvous round"
+        if self._standby or not group.workers:
+            return "this node ran no workers"
+        if self._pcontext is None or self._pcontext.wait(0) is not None:
+            return "a worker process ended"
+        regroup.request_leave(directory, self._round)
+        deadline = time.monotonic() + self._job.elastic.in_process_deadline
+        while time.monotonic() < deadline:
+            if not self._workers_yet_to_leave():
+                return ""
+            if self._pcontext.wait(0) is not None:
+                return "a worker process ended while it left the round"
+            time.sleep(0.01)
+        return (f"local ranks {self._workers_yet_to_leave()} did not leave round {self._round} within "
+                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s)")
+
+    def _workers_yet_to_leave(self) -> list[int]:
+        assert self._regroup_dir is not None
+        return [w.local_rank for w in self._worker_group.workers
+                if (left := regroup.read_left(self._regroup_dir, w.local_rank)) is None or left.round != self._round]
+
+    def _hand_over_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Give the workers that left the last round this round's environment; their pids."""
+        assert self._regroup_dir is not None and self._round is not None and self._pcontext is not None
+        spec = worker_group.spec
+        common = {**self.worker_environment(), "GROUP_RANK": str(worker_group.group_rank),
+                  "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "MASTER_ADDR": worker_group.master_addr,
+                  "MASTER_PORT": str(worker_group.master_port), "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+                  "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts)}
+        for w in worker_group.workers:
+            regroup.hand_over(self._regroup_dir, w.local_rank, self._round,
+                              {**common, "RANK": str(w.global_rank), "ROLE_RANK": str(w.role_rank),
+                               "WORLD_SIZE": str(w.world_size), "ROLE_WORLD_SIZE": str(w.role_world_size)})
+        return self._pcontext.pids()
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if not self._standby:
-            return super()._monitor_workers(worker_group)
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY and self._regroup_dir is not None and worker_group.workers \
+                    and len(self._workers_yet_to_leave()) < len(worker_group.workers):
+                # A worker left on its own: a collective failed, a peer is gone (or failed).
+                return RunResult(state=WorkerState.FAILED)
+            return result
         finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
 
@@ -428,6 +486,19 @@ class RecoveryAgent(LocalElasticAgent):
         return local
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._regroup_pending:
+            self._regroup_pending = False
+            if not self._standby and len(worker_group.workers) == self._nproc_per_node and self._pcontext is not None \
+                    and self._pcontext.wait(0) is None:
+                started = time.monotonic()
+                pids = self._hand_over_round(worker_group)
+                self.events.record("workers_started", seconds=time.monotonic() - started,
+                                   ranks=[w.global_rank for w in worker_group.workers], start="in_process")
+                self._prev_world_size = worker_group.workers[0].world_size
+                return pids
+            self.events.record("in_process_fallback", reason="this node stands by in the new round"
+                               if self._standby else "a worker process ended while the round re-formed")
+            self._stop_workers(worker_group)
         if self._standby:
             self.events.record("standby", nodes_used=self._nodes_used)
             return {}

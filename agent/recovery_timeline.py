@@ -47,8 +47,14 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
             "restore": restore_end - max(restore_start, rendezvous_done),
             "first_step": step["time"] - restore_end,
         }
+        started = [e for e in events if e["event"] == "workers_started" and round_start <= e["time"] <= step["time"]]
+        fallbacks = [e for e in events if e["event"] == "in_process_fallback" and detected <= e["time"] <= step["time"]]
+        in_process = any(e.get("start") == "in_process" for e in started) and not fallbacks
         return {
             "recovery_s": step["time"] - failed,
+            # in_process: the survivors kept their processes (a joining node starts its own).
+            "path": "in_process" if in_process else "restart",
+            "fallback_reason": fallbacks[0]["reason"] if fallbacks else None,
             "cause": first_change["cause"],
             # A standby node's change has none: it ran no workers.
             "world_size_before": next((e["world_size"] for e in sorted(changes, key=lambda e: e["time"])

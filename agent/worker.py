@@ -20,6 +20,9 @@ ROUND = "TORCHREVIVE_ROUND"
 MEMORY_DIR = "TORCHREVIVE_MEMORY_DIR"
 MEMORY_BUDDY = "TORCHREVIVE_MEMORY_BUDDY"
 COMMIT_NOTICE = "TORCHREVIVE_COMMIT_NOTICE"
+REGROUP_DIR = "TORCHREVIVE_REGROUP_DIR"
+"""Where the agent and its workers re-form rounds in-process (:mod:`agent.regroup`); unset unless
+``elastic.in_process``."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,10 @@ optimizer and data position) from the snapshot the agent chose and saves every
 examples/classic_train.py does. `--crash-at-step S` makes rank 0
 fail at step S once per job (a marker file in the temp dir records it), to show the agent
 restarting its workers.
+
+The training function runs through `agent.run_resilient`: with `elastic.in_process: true` in the
+job config, survivors of a membership change keep their processes and heal the DDP state from
+the newest step a live rank holds (see agent/resilient.py); otherwise it runs once per process.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import agent
 from examples.mlp import build_model, mark, synthetic_dataset
-from examples.worker_process import device_and_process_group, run_then_exit
+from examples.worker_process import local_device, run_then_exit
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,83 +63,115 @@ def first_crash(run_id: str, step: int) -> bool:
     return True
 
 
-def wrap(model: nn.Module, use_fsdp: bool, device: torch.device, *, broadcast: bool) -> nn.Module:
-    """FSDP2 or DDP; ``broadcast=False`` skips DDP's initial copy of rank 0's parameters (when every
-    rank restores the same values anyway)."""
-    if use_fsdp:
+def model_and_optimizer(args: argparse.Namespace, device: torch.device, *,
+                        initialize: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The MLP and its Adam; FSDP2 shards the model (on the round's process group) before the
+    optimizer sees its parameters."""
+    torch.manual_seed(args.seed)
+    model = build_model(args.width, device, initialize=initialize)
+    if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
-        return fully_shard(model)
+        model = fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
+def wrap(model: nn.Module, use_fsdp: bool) -> nn.Module:
+    """DDP around the kept model for this round (FSDP2's is sharded already). No initial copy of
+    rank 0's parameters: every rank heals, restores or broadcasts them next."""
+    if use_fsdp:
+        return model
+    device = next(model.parameters()).device
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                               init_sync=broadcast)
+                                               init_sync=False)
+
+
+def broadcast_state(model: nn.Module) -> None:
+    """A new job: every rank starts from rank 0's initial parameters (what DDP's init_sync does)."""
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
 
 
 @record
 def main() -> None:
     args = parse_args()
-    ctx = agent.WorkerContext.from_env()
-    device = device_and_process_group(ctx)
-    torch.manual_seed(args.seed)
-    # The agent named a snapshot for this round: every parameter is about to be overwritten.
-    resuming = ctx.checkpoint_dir is not None and ctx.restore_from is not None
-    model = wrap(build_model(args.width, device, initialize=not resuming), args.fsdp, device, broadcast=not resuming)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if ctx.rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
-        print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={n_params} "
-              f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
-
+    first = agent.WorkerContext.from_env()
+    device = local_device(first)
     dataset = synthetic_dataset(args.samples, args.seed)
-    accum = ctx.grad_accum_steps
-    micro = args.global_batch_size // (ctx.world_size * accum)
-    sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size, micro_batch_size=micro,
-                                   seed=args.seed)
-    loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
+    # The agent named a snapshot for this round: every parameter is about to be overwritten.
+    resuming = first.checkpoint_dir is not None and first.restore_from is not None
+    # DDP's model and optimizer outlive a round (its parameters are replicated: healed in-process
+    # from a peer); FSDP2's are sharded for one world, so built each round.
+    kept = None if args.fsdp else model_and_optimizer(args, device, initialize=not resuming)
 
-    # With a checkpoint dir in the job config: resume from the snapshot the agent chose,
-    # resharded to this world size, and save every checkpoint.interval_steps.
-    ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
-    app_state = {"model": model, "optim": optimizer, "data": sampler}
-    start = (ckpt.restore(app_state) or 0) if ckpt else 0
-    if start and ctx.rank == 0:
-        print(f"resumed from step {start}", flush=True)
+    def train(round: agent.Round) -> None:
+        ctx = round.context
+        base, optimizer = kept or model_and_optimizer(args, device, initialize=not resuming)
+        model = wrap(base, args.fsdp)
+        if round.number == 0 and ctx.rank == 0:
+            n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+            print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={n_params} "
+                  f"mode={'fsdp2' if args.fsdp else 'ddp'}", flush=True)
+        accum = ctx.grad_accum_steps
+        micro = args.global_batch_size // (ctx.world_size * accum)
+        sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size, micro_batch_size=micro,
+                                       seed=args.seed)
+        loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
 
-    batches = iter(loader)
-    for step in range(start, args.steps):
-        if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
-            raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
-        optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=device)
-        ids = []
-        for _ in range(accum):  # the rank's micro-batches of this step's global batch
-            batch = next(batches, None)
-            if batch is None:  # the epoch ended: the sampler has moved on to the next one
-                batches = iter(loader)
-                batch = next(batches)
-            x, y, sample_ids = batch
-            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
-            loss.backward()
-            total += loss.detach()
-            ids.extend(sample_ids.tolist())
-        optimizer.step()
-        sampler.advance()
-        dist.all_reduce(total)
-        if ctx.rank == 0:
-            print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
-            if args.marks:
-                mark(args.marks, "first_step_done" if step == start else "step", step + 1, world_size=ctx.world_size,
-                     samples=args.global_batch_size)
-        if args.log_samples:
-            with open(args.log_samples, "a") as f:
-                f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size, "round": ctx.round,
-                                    "ids": ids}) + "\n")
+        # With a checkpoint dir in the job config: resume from the newest state a live rank holds
+        # (in-process rounds, DDP), else from the snapshot the agent chose, resharded to this world
+        # size; save every checkpoint.interval_steps.
+        ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
+        app_state = {"model": model, "optim": optimizer, "data": sampler}
+        start = None if args.fsdp else round.heal(app_state)
+        if start is None:
+            start = ckpt.restore(app_state) if ckpt else None
+        if start is None:
+            start = 0
+            if not args.fsdp:
+                broadcast_state(model)
+        elif ctx.rank == 0:
+            print(f"resumed from step {start}", flush=True)
+
+        batches = iter(loader)
+        for step in range(start, args.steps):
+            if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
+                raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros((), device=device)
+            ids = []
+            for _ in range(accum):  # the rank's micro-batches of this step's global batch
+                batch = next(batches, None)
+                if batch is None:  # the epoch ended: the sampler has moved on to the next one
+                    batches = iter(loader)
+                    batch = next(batches)
+                x, y, sample_ids = batch
+                loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
+                loss.backward()
+                total += loss.detach()
+                ids.extend(sample_ids.tolist())
+            optimizer.step()
+            sampler.advance()
+            if args.log_samples:
+                with open(args.log_samples, "a") as f:
+                    f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size,
+                                        "round": ctx.round, "ids": ids}) + "\n")
+            round.step_done(step + 1)
+            dist.all_reduce(total)
+            if ctx.rank == 0:
+                print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+                if args.marks:
+                    mark(args.marks, "first_step_done" if step == start else "step", step + 1,
+                         world_size=ctx.world_size, samples=args.global_batch_size)
+            if ckpt:
+                ckpt.maybe_save(step + 1, app_state)
         if ckpt:
-            ckpt.maybe_save(step + 1, app_state)
-    if ckpt:
-        ckpt.wait()
+            ckpt.wait()
+
+    agent.run_resilient(train)
 
 
 if __name__ == "__main__":

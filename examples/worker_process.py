@@ -1,4 +1,4 @@
-"""How an example worker process starts (its device and process group) and ends (the exit status of
+"""How an example worker process starts (its device) and ends (the exit status of
 ``main``, without destructors)."""
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
 import agent
 
 
-def device_and_process_group(ctx: agent.WorkerContext) -> torch.device:
-    """This rank's device (its local GPU, else the CPU), with the default process group joined on
-    it: NCCL on CUDA, gloo on CPU."""
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+def local_device(ctx: agent.WorkerContext) -> torch.device:
+    """This rank's device: its local GPU (made current), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", ctx.local_rank)
+    torch.cuda.set_device(device)
     return device
 
 

@@ -206,7 +206,8 @@ class Cluster(Nodes):
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,
                            "keep": getattr(args, "keep_snapshots", 2), "memory_interval_steps": self.memory_interval,
                            "memory_dir": str(self.memory_dir) if self.memory_dir else None},
-            "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1)},
+            "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1),
+                        "in_process": getattr(args, "in_process", False)},
             "observability": {"event_log": str(self.events)},
         }))
 
@@ -681,6 +682,8 @@ def main() -> None:
                         help="run the same fault on a baseline too (default torchrun with the classic restore)")
     parser.add_argument("--cap-s", type=float, default=120)
     parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
+    parser.add_argument("--in-process", action="store_true",
+                        help="survivors re-form in-process (elastic.in_process) instead of restarting their workers")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--netns", action="store_true", help="each node in a network namespace of its own (root)")

@@ -20,12 +20,15 @@ from agent.events import read_events
 TINY = GPT_SIZES["tiny"]
 
 
-def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(tmp_path):
+@pytest.mark.parametrize("in_process", [False, True], ids=["restart", "in-process"])
+def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(tmp_path, in_process):
     args = argparse.Namespace(nodes=3, nproc_per_node=1, scenario="kill", fault_node=2, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
-                              workload="gpt", gpt_size="tiny", compile="on")
+                              workload="gpt", gpt_size="tiny", compile="on", in_process=in_process)
     [run] = local_cluster.run_scenarios(args, tmp_path)
     assert (run["world_size_before"], run["world_size_after"]) == (3, 2), run
+    # In-process, the survivors re-shard the FSDP2 model in the same processes and restore it.
+    assert (run["path"], run["fallback_reason"]) == ("in_process" if in_process else "restart", None), run
     assert run["restored_step"] is not None and run["restored_step"] % 5 == 0
     phases = run["phases"]
     assert phases["compile"] > 0 and run["compile_cold_s"] > 0, run

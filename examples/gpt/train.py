@@ -16,7 +16,9 @@
 
 Rank 0 prints the loss, tokens/s and the world every `--log-every` steps and, with `--marks PATH`,
 appends each step's mark (examples/mlp.py's `mark`, with its samples and tokens); the first step
-of a (re)start also reports `compile_s`, the seconds torch.compile spent in this process so far.
+of a (re)start also reports `compile_s`, the seconds torch.compile spent in this round. It runs
+through `agent.run_resilient`: with `elastic.in_process`, the process (and its compiled code)
+lives across rounds, and each round re-shards and restores the model.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import agent  # noqa: E402
 from examples.gpt.data import stdlib_windows  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig, count_parameters  # noqa: E402
 from examples.mlp import mark  # noqa: E402
-from examples.worker_process import device_and_process_group, run_then_exit  # noqa: E402
+from examples.worker_process import local_device, run_then_exit  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,7 +111,7 @@ def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, com
                 "feed_forward.w2": RowwiseParallel(),
             })
         if compile_blocks:
-            block.compile()  # in place: the state dict keeps its names
+            block.compile(dynamic=False)  # in place: the state dict keeps its names; static shapes
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
 
@@ -151,78 +153,87 @@ def compile_seconds() -> float:
 @record
 def main() -> None:
     args = parse_args()
-    ctx = agent.WorkerContext.from_env()
-    device = device_and_process_group(ctx)
-    dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    device = local_device(agent.WorkerContext.from_env())
     config = model_config(args)
-    model = GPT(config).to(device)
-    model.init_weights()
     compiled = compile_wanted(args.compile)
-    parallelize(model, dp_mesh, tp_mesh, compiled)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if ctx.rank == 0:
-        print(f"world_size={ctx.world_size} restart={ctx.restart_count} params={count_parameters(model)} "
-              f"dp={dp_mesh.size()} tp={args.tp} compile={compiled}", flush=True)
-
     dataset = stdlib_windows(args.seq_len, args.data_bytes)
-    accum = ctx.grad_accum_steps
-    dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    if args.global_batch_size % (dp_size * accum):
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} does not divide into {dp_size} "
-                         f"data-parallel ranks x {accum} accumulation steps")
-    micro = args.global_batch_size // (dp_size * accum)
-    # Tensor-parallel ranks of one data-parallel group train the same sequences.
-    sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size, micro_batch_size=micro,
-                                   rank=dp_rank, world_size=dp_size, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
 
-    ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
-    app_state = {"model": model, "optim": optimizer, "data": sampler}
-    start = (ckpt.restore(app_state) or 0) if ckpt else 0
-    if start and ctx.rank == 0:
-        print(f"resumed from step {start}", flush=True)
-
-    tokens_per_step = args.global_batch_size * args.seq_len
-    batches = iter(loader)
-    window_start, window_steps = time.perf_counter(), 0
-    for step in range(start, args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        total = torch.zeros((), device=device)
-        for _ in range(accum):
-            batch = next(batches, None)
-            if batch is None:  # the epoch ended: the sampler has moved on to the next one
-                batches = iter(loader)
-                batch = next(batches)
-            inputs, targets, _ = batch
-            logits = model(inputs.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / accum
-            loss.backward()
-            total += loss.detach()
-        grad_norm = clip_grad_norm(list(model.parameters()), args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sampler.advance()
-        dist.all_reduce(total, group=dp_mesh.get_group())
-        loss_value = total.item() / dp_size
-        window_steps += 1
+    def train(round: agent.Round) -> None:
+        # The model is sharded for one world: built, sharded and compiled each round (compiled
+        # code is cached in the process across in-process rounds), restored from the snapshot the
+        # agent chose.
+        ctx = round.context
+        compile_before = compile_seconds()
+        dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = GPT(config).to(device)
+        model.init_weights()
+        parallelize(model, dp_mesh, tp_mesh, compiled)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         if ctx.rank == 0:
-            first = step == start
-            if (step + 1) % args.log_every == 0 or first:
-                rate = window_steps * tokens_per_step / (time.perf_counter() - window_start)
-                print(f"step={step + 1} loss={loss_value:.4f} grad_norm={grad_norm:.3f} "
-                      f"lr={learning_rate(step, args):.2e} tokens/s={rate:.0f} world_size={ctx.world_size}", flush=True)
-                window_start, window_steps = time.perf_counter(), 0
-            if args.marks:
-                extra = {"compile_s": compile_seconds()} if first and compiled else {}
-                mark(args.marks, "first_step_done" if first else "step", step + 1, world_size=ctx.world_size,
-                     samples=args.global_batch_size, tokens=tokens_per_step, loss=loss_value, **extra)
+            print(f"world_size={ctx.world_size} restart={ctx.restart_count} round={round.number} "
+                  f"params={count_parameters(model)} dp={dp_mesh.size()} tp={args.tp} compile={compiled}", flush=True)
+
+        accum = ctx.grad_accum_steps
+        dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        if args.global_batch_size % (dp_size * accum):
+            raise SystemExit(f"--global-batch-size {args.global_batch_size} does not divide into {dp_size} "
+                             f"data-parallel ranks x {accum} accumulation steps")
+        micro = args.global_batch_size // (dp_size * accum)
+        # Tensor-parallel ranks of one data-parallel group train the same sequences.
+        sampler = agent.ElasticSampler(len(dataset), global_batch_size=args.global_batch_size,
+                                       micro_batch_size=micro, rank=dp_rank, world_size=dp_size, seed=args.seed)
+        loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
+
+        ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
+        app_state = {"model": model, "optim": optimizer, "data": sampler}
+        start = (ckpt.restore(app_state) or 0) if ckpt else 0
+        if start and ctx.rank == 0:
+            print(f"resumed from step {start}", flush=True)
+
+        tokens_per_step = args.global_batch_size * args.seq_len
+        batches = iter(loader)
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(start, args.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, args)
+            total = torch.zeros((), device=device)
+            for _ in range(accum):
+                batch = next(batches, None)
+                if batch is None:  # the epoch ended: the sampler has moved on to the next one
+                    batches = iter(loader)
+                    batch = next(batches)
+                inputs, targets, _ = batch
+                logits = model(inputs.to(device))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / accum
+                loss.backward()
+                total += loss.detach()
+            grad_norm = clip_grad_norm(list(model.parameters()), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sampler.advance()
+            round.step_done(step + 1)
+            dist.all_reduce(total, group=dp_mesh.get_group())
+            loss_value = total.item() / dp_size
+            window_steps += 1
+            if ctx.rank == 0:
+                first = step == start
+                if (step + 1) % args.log_every == 0 or first:
+                    rate = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+                    print(f"step={step + 1} loss={loss_value:.4f} grad_norm={grad_norm:.3f} "
+                          f"lr={learning_rate(step, args):.2e} tokens/s={rate:.0f} world_size={ctx.world_size}",
+                          flush=True)
+                    window_start, window_steps = time.perf_counter(), 0
+                if args.marks:
+                    extra = {"compile_s": compile_seconds() - compile_before} if first and compiled else {}
+                    mark(args.marks, "first_step_done" if first else "step", step + 1, world_size=ctx.world_size,
+                         samples=args.global_batch_size, tokens=tokens_per_step, loss=loss_value, **extra)
+            if ckpt:
+                ckpt.maybe_save(step + 1, app_state)
         if ckpt:
-            ckpt.maybe_save(step + 1, app_state)
-    if ckpt:
-        ckpt.wait()
+            ckpt.wait()
+
+    agent.run_resilient(train)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""The regroup channel: how a node's agent and its live workers re-form a round in-process
+(``elastic.in_process``), through small JSON files in a directory of the agent's own
+(``TORCHREVIVE_REGROUP_DIR``), each replaced atomically:
+
+* ``leave.json`` (agent -> workers): ``{"round": R}``, every round up to R must end now;
+* ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid"}``, the worker
+  left round R (asked to, or its collective failed) holding the state of ``step``, and waits;
+* ``handover-<local rank>.json`` (agent -> worker): ``{"round", "env"}``, the next round's
+  torchrun and TORCHREVIVE_* variables.
+
+What is read is data, checked before use: a malformed file reads as absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checkpoint.durable import write_file
+
+LEAVE = "leave.json"
+
+
+@dataclass(frozen=True)
+class Left:
+    """A worker's word that it left ``round``: why, and the step whose state it holds (None: none)."""
+
+    round: int
+    reason: str
+    step: int | None
+    pid: int
+
+
+def request_leave(directory: str | os.PathLike[str], round: int) -> None:
+    """Ask the node's workers to end every round up to ``round``."""
+    write_file(Path(directory) / LEAVE, json.dumps({"round": round}))
+
+
+def leave_requested(directory: str | os.PathLike[str]) -> int | None:
+    """The latest round the agent asked to end, or None."""
+    raw = _read(Path(directory) / LEAVE)
+    return raw["round"] if isinstance(raw, dict) and isinstance(raw.get("round"), int) else None
+
+
+def post_left(directory: str | os.PathLike[str], local_rank: int, left: Left) -> None:
+    write_file(Path(directory) / f"left-{local_rank}.json",
+               json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid}))
+
+
+def read_left(directory: str | os.PathLike[str], local_rank: int) -> Left | None:
+    raw = _read(Path(directory) / f"left-{local_rank}.json")
+    try:
+        step = raw["step"]
+        if not isinstance(step, int | None) or not all(isinstance(raw[k], int) for k in ("round", "pid")):
+            return None
+        return Left(round=raw["round"], reason=str(raw["reason"]), step=step, pid=raw["pid"])
+    except (KeyError, TypeError):
+        return None
+
+
+def hand_over(directory: str | os.PathLike[str], local_rank: int, round: int, env: dict[str, str]) -> None:
+    write_file(Path(directory) / f"handover-{local_rank}.json", json.dumps({"round": round, "env": env}))
+
+
+def read_handover(directory: str | os.PathLike[str], local_rank: int, after: int) -> dict[str, str] | None:
+    """The environment of a round later than ``after`` handed to this worker, or None yet."""
+    raw = _read(Path(directory) / f"handover-{local_rank}.json")
+    if not isinstance(raw, dict) or not isinstance(raw.get("round"), int) or raw["round"] <= after:
+        return None
+    env = raw.get("env")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        return None
+    return env
+
+
+def _read(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

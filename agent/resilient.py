@@ -1,0 +1,203 @@
+"""In-process recovery, the worker's side: a re-entrant training function that the process runs
+once per round, across membership changes, without a restart (``elastic.in_process: true``).
+
+::
+
+    model, optimizer = build()                 # outside: lives across rounds
+    def train(round: agent.Round) -> None:     # inside: what depends on the world
+        ddp = DistributedDataParallel(model, init_sync=False)
+        sampler = agent.ElasticSampler(...)
+        ckpt = agent.Checkpointer.from_env()
+        app_state = {"model": model, "optim": optimizer, "data": sampler}
+        start = round.heal(app_state)           # from a live peer's memory, else None
+        if start is None:
+            start = ckpt.restore(app_state) or 0
+        for step in range(start, total):
+            train_step(ddp, ...)
+            round.step_done(step + 1)           # right after the optimizer step
+            ckpt.maybe_save(step + 1, app_state)
+    agent.run_resilient(train)
+
+Each round :func:`run_resilient` joins the default process group from the round's environment and
+calls ``train``. When the agent asks the round to end (a node was lost, hung or joined), or a
+collective fails because a peer is gone, the round's TCP connections are cut
+(:mod:`agent.round_sockets`: peers blocked on them error out at once), the worker tells its agent
+it left and the step it holds, waits for the next round's environment, and calls ``train`` again.
+Any other exception ends the process, as without in-process recovery: the agent restarts it.
+Without an agent that runs rounds in-process, ``train`` runs once.
+
+Keep outside ``train`` what outlives a world: the model's parameters and optimizer (for DDP), the
+dataset, compiled code, the device context. Build inside it what depends on the world: the DDP or
+FSDP2 wrapper, the sampler, the Checkpointer, any further process group. Sharded state (FSDP2,
+tensor parallel) restores through the Checkpointer each round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from agent import regroup
+from agent.events import EventLog
+from agent.round_sockets import cut_connections_since, open_sockets
+from agent.worker import REGROUP_DIR, WorkerContext
+
+T = TypeVar("T")
+
+_COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe")
+
+
+class RoundEnded(Exception):
+    """The agent ended this round: the training function leaves it."""
+
+
+class Round:
+    """One round of a re-entrant training function: the round's context, the step this process
+    holds, and the agent's request to leave."""
+
+    def __init__(self, context: WorkerContext, number: int, held_step: int | None, events: EventLog,
+                 leave: threading.Event, previous_state: Mapping[str, Any] | None = None) -> None:
+        self.context = context
+        self.number = number
+        """How many rounds this process ran before this one (0: its first)."""
+        self.held_step = held_step
+        """The step whose state this process holds in memory (None: none yet)."""
+        self.events = events
+        self.app_state: Mapping[str, Any] | None = None
+        """What this round healed: the next round's objects built anew take their state from it."""
+        self._previous_state = previous_state
+        self._leave = leave
+        self._healed = False
+
+    @property
+    def leave_requested(self) -> bool:
+        return self._leave.is_set()
+
+    def heal(self, app_state: Mapping[str, Any]) -> int | None:
+        """Bring every rank to the newest step one of them holds, from that rank's memory (replicated
+        state only); the step, or None when no rank holds any (restore from a snapshot then).
+        An object built anew for this round (a sampler, say) first takes the state of the one under
+        its key in this process's previous round. Collective: every rank of the round calls it."""
+        from agent.heal import carry_over, heal
+
+        self.app_state = app_state
+        if self._previous_state is not None:
+            carry_over(self._previous_state, app_state)
+        healed = heal(app_state, self.held_step)
+        if healed is None:
+            return None
+        self._healed = True
+        self.held_step = healed.step
+        self.events.record("restore_done", snapshot=None, step=healed.step, bytes=healed.bytes,
+                           seconds=healed.seconds, source="peer" if healed.source is not None else "in_process",
+                           from_rank=healed.source, bytes_from_storage=0)
+        return healed.step
+
+    def step_done(self, step: int) -> None:
+        """Record that this process now holds the state of ``step`` (call it right after the
+        optimizer step, before any later collective); raises RoundEnded when the agent asked the
+        round to end. The first call after a heal records ``first_step_done``."""
+        if self._healed:
+            self._healed = False
+            self.events.record("first_step_done", step=step, restored_from=None, path="in_process")
+        self.held_step = step
+        if self._leave.is_set():
+            raise RoundEnded(f"round {self.context.round} ended by the agent")
+
+
+def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
+                  timeout: datetime.timedelta | None = None) -> T:
+    """Run ``train`` once per round until it returns, re-forming the default process group (of
+    ``backend``: NCCL on CUDA, else gloo) in-process when the agent runs rounds so."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    directory = os.environ.get(REGROUP_DIR) or None
+    number, held, previous_state = 0, None, None
+    while True:
+        before = open_sockets()
+        dist.init_process_group(backend, timeout=timeout)
+        context = WorkerContext.from_env()
+        leave = threading.Event()
+        round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
+        watcher = _LeaveWatcher(directory, context.round, leave, before) if directory else None
+        try:
+            return train(round)
+        except BaseException as exc:
+            if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):
+                raise
+            reason = "asked by the agent" if leave.is_set() else f"a collective failed: {exc}"
+        finally:
+            if watcher is not None:
+                watcher.stop()
+        cut_connections_since(before)
+        held, previous_state = round.held_step, round.app_state
+        del round
+        gc.collect()  # the round's DDP reducers unhook from the kept parameters
+        _leave_process_group()
+        regroup.post_left(directory, context.local_rank,
+                          regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))
+        os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
+        number += 1
+
+
+class _LeaveWatcher:
+    """Polls the agent's leave request; when it comes, flags the round and cuts its connections
+    (a training thread blocked in a collective errors out)."""
+
+    def __init__(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
+                 poll_s: float = 0.02) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(directory, round, leave, before, poll_s),
+                                        name="torchrevive-leave-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
+             poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            asked = regroup.leave_requested(directory)
+            if asked is not None and round is not None and asked >= round:
+                leave.set()
+                cut_connections_since(before)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it came from) is a collective's failure: a peer left."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, dist.DistError) or (
+                isinstance(seen, RuntimeError) and any(s in str(seen).lower() for s in _COLLECTIVE_FAILURES)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+_departed: list[Any] = []
+"""Process groups of rounds that ended: kept referenced, since destroying a gloo group whose
+reducer still holds it can deadlock (see examples/worker_process.py); their connections are cut."""
+
+
+def _leave_process_group() -> None:
+    _departed.append(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def _wait_for_handover(directory: str, local_rank: int, round: int) -> dict[str, str]:
+    """The next round's environment, once the agent hands it over (it stops this process instead
+    when the round goes down the restart path)."""
+    while True:
+        env = regroup.read_handover(directory, local_rank, after=round)
+        if env is not None:
+            return env
+        time.sleep(0.01)

@@ -1,0 +1,78 @@
+"""In-process recovery (elastic.in_process) end to end: real agents on 127.0.0.1 (gloo), faults
+injected by the harness. Survivors keep their worker processes and heal the DDP state from the
+newest step a live rank holds; a joining node's new worker heals from a peer; a node whose own
+worker died restarts it (the fallback), and the round still agrees on one step."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+from conftest import REPO
+from test_recovery_e2e import STEPS, WIDTH, harness_args, per_step_samples
+
+from agent.events import read_events
+from agent.recovery_timeline import recovery_after
+
+sys.path.insert(0, str(REPO / "scripts"))
+import chaos
+import local_cluster
+from workloads import mlp_workload
+
+
+def worker_pids(events: list[dict], before: float | None = None, after: float | None = None) -> dict[int, int]:
+    """Each rank's worker pid, from the steps' saves it recorded in the window."""
+    return {e["rank"]: e["pid"] for e in events if e["event"] in ("save_started", "first_step_done")
+            and (before is None or e["time"] < before) and (after is None or e["time"] > after)}
+
+
+def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_path):
+    """3 -> 2 ranks in-process: the survivors' workers go on in the same processes from the step
+    they held (no step lost, no restore from storage), and the job sees the same samples per step
+    and ends with the same model as one rank trained without faults."""
+    faulty, reference = tmp_path / "faulty", tmp_path / "reference"
+    faulty.mkdir()
+    args = harness_args(scenario="kill", steps=STEPS, in_process=True,
+                        train_args=["--log-samples", str(faulty / "samples.jsonl")])
+    cluster = local_cluster.Cluster(args, faulty)
+    cluster.workload = mlp_workload(WIDTH)
+    try:
+        for index in range(3):
+            cluster.start(index)
+        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a committed snapshot")
+        killed_at = chaos.time.time()
+        cluster.signal(2, signal.SIGKILL)
+        cluster.nodes.pop(2).wait()
+        assert cluster.wait_done(240) == [0, 0]
+    finally:
+        cluster.stop()
+    events = read_events(faulty / "events.jsonl")
+    recovery = recovery_after(events, killed_at, failed_at=killed_at)
+    assert recovery is not None and recovery["path"] == "in_process", recovery
+    assert recovery["restore_source"] == "in_process" and recovery["bytes_from_storage"] == 0, recovery
+    before, after = worker_pids(events, before=killed_at), worker_pids(events, after=killed_at)
+    assert set(after.values()) <= set(before.values()), (before, after)  # no new worker process
+    last_before = max(e["step"] for e in read_events(faulty / "samples.jsonl") if e["world_size"] == 3)
+    assert recovery["restored_step"] == last_before  # the survivors went on from the step they held
+    chaos.reference_run(reference, STEPS, WIDTH)
+    assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(reference / "samples.jsonl")
+    ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", WIDTH)
+    theirs = chaos.final_model(reference / f"step_{STEPS}", WIDTH)
+    for key in theirs:  # equal up to float summation order, as in test_recovery_e2e
+        assert torch.allclose(ours[key], theirs[key], rtol=0, atol=1e-5), key
+
+
+def test_a_join_a_freeze_and_a_worker_crash_in_process(tmp_path):
+    join, freeze, crash = local_cluster.run_scenarios(
+        harness_args(scenario="join,freeze,kill-worker", in_process=True), tmp_path)
+    # The new node's worker heals from a live peer: nothing is read from storage.
+    assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 3, "in_process"), join
+    assert join["restore_source"] == "peer" and join["bytes_from_storage"] == 0, join
+    # The frozen node's peers are blocked in a collective with it: cutting their connections frees them.
+    assert (freeze["cause"], freeze["path"], freeze["world_size_after"]) == ("node_lost", "in_process", 2), freeze
+    # The node whose worker died restarts it; its new worker heals from a survivor's memory.
+    assert crash["path"] == "restart" and crash["fallback_reason"] == "a worker process ended", crash
+    assert crash["restore_source"] == "peer", crash
+    events = read_events(tmp_path / "events.jsonl")
+    assert not any(e["event"] == "in_process_fallback" and e["reason"] != "a worker process ended" for e in events)

@@ -1,0 +1,130 @@
+"""The parts of in-process recovery on their own: the regroup channel, cutting a round's
+connections, and healing replicated state from the rank holding the newest step (real gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agent import regroup
+from agent.elastic_sampler import ElasticSampler
+from agent.errors import RestoreError
+from agent.heal import heal
+from agent.round_sockets import cut_connections_since, open_sockets
+from tests.distributed import run_ranks
+
+
+def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_as_absent(tmp_path):
+    assert regroup.leave_requested(tmp_path) is None
+    regroup.request_leave(tmp_path, 4)
+    assert regroup.leave_requested(tmp_path) == 4
+    regroup.post_left(tmp_path, 1, regroup.Left(round=4, reason="asked by the agent", step=17, pid=123))
+    assert regroup.read_left(tmp_path, 1) == regroup.Left(round=4, reason="asked by the agent", step=17, pid=123)
+    assert regroup.read_left(tmp_path, 0) is None
+    regroup.hand_over(tmp_path, 1, 5, {"RANK": "2", "WORLD_SIZE": "3"})
+    assert regroup.read_handover(tmp_path, 1, after=4) == {"RANK": "2", "WORLD_SIZE": "3"}
+    assert regroup.read_handover(tmp_path, 1, after=5) is None  # not a later round than the worker's
+    for name, text in [("leave.json", '{"round": "4"}'), ("left-1.json", '{"round": 4, "step": "x", "pid": 1, '
+                                                                      '"reason": ""}'),
+                       ("handover-1.json", '{"round": 9, "env": {"RANK": 2}}'), ("left-1.json", "not json")]:
+        (tmp_path / name).write_text(text)
+    assert regroup.leave_requested(tmp_path) is None
+    assert regroup.read_left(tmp_path, 1) is None
+    assert regroup.read_handover(tmp_path, 1, after=4) is None
+
+
+def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
+    listener = socket.create_server(("127.0.0.1", 0))
+    older = socket.create_connection(listener.getsockname())
+    older_peer, _ = listener.accept()
+    before = open_sockets()
+    newer = socket.create_connection(listener.getsockname())
+    newer_peer, _ = listener.accept()
+    try:
+        # The round's own: its client end and the accepted end both; the listener and the older pair stay.
+        assert cut_connections_since(before) == 2
+        newer_peer.settimeout(5)
+        assert newer_peer.recv(1) == b""  # the peer sees the connection end at once
+        older.sendall(b"x")
+        assert older_peer.recv(1) == b"x"
+        late = socket.create_connection(listener.getsockname())  # the listener still accepts
+        late.close()
+    finally:
+        for s in (listener, older, older_peer, newer, newer_peer):
+            s.close()
+
+
+def _replicated_state(held: int | None, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ElasticSampler]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    sampler = ElasticSampler(96, global_batch_size=12, micro_batch_size=4, rank=0, world_size=1, seed=0)
+    for _ in range(held or 0):  # a rank that holds a step has trained to it: optimizer state and position
+        optimizer.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        optimizer.step()
+        sampler.advance()
+    return model, optimizer, sampler
+
+
+def _heal_ranks(rank: int, world_size: int, out: str) -> None:
+    held = {0: 2, 1: 3, 2: None}[rank]  # rank 1 holds the newest step; rank 2 is a new process
+    model, optimizer, sampler = _replicated_state(held, seed=rank)
+    app_state = {"model": model, "optim": optimizer, "data": sampler}
+    healed = heal(app_state, held)
+    assert healed is not None and (healed.step, healed.source) == (3, 1)
+    assert (healed.bytes > 0) == (rank != 1)
+    again = heal(app_state, 3)  # everyone holds step 3 now: nothing moves
+    assert again is not None and (again.source, again.bytes) == (None, 0)
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "data": sampler.state_dict()},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_heal_gives_every_rank_the_newest_state_a_rank_holds(tmp_path):
+    run_ranks(3, _heal_ranks, str(tmp_path))
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    model, optimizer, sampler = _replicated_state(3, seed=1)  # rank 1's state, made again
+    for state in states:
+        assert state["data"] == sampler.state_dict()
+        for key, value in model.state_dict().items():
+            assert torch.equal(state["model"][key], value), key
+        theirs, ours = state["optim"], optimizer.state_dict()
+        assert theirs["param_groups"] == ours["param_groups"]
+        for index, entry in ours["state"].items():
+            for name, value in entry.items():
+                assert torch.equal(theirs["state"][index][name], value), (index, name)
+
+
+def _refuse_sharded(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Linear(8, 8), mesh=init_device_mesh("cpu", (world_size,)))
+    with pytest.raises(RestoreError, match="sharded tensors"):
+        heal({"model": model}, 1)
+
+
+def test_heal_refuses_sharded_state_before_any_collective():
+    run_ranks(2, _refuse_sharded)
+
+
+def _malformed_layout(rank: int, world_size: int) -> None:
+    model = nn.Linear(2, 2)
+    if rank == 0:  # a hostile or broken source: sends a layout that names a non-dtype
+        dist.all_gather([torch.empty(1, dtype=torch.int64) for _ in range(world_size)],
+                        torch.tensor([5], dtype=torch.int64))
+        layout = b'{"__dict__": [["model", {"__dict__": [["weight", {"__tensor__": ["Tensor", [2, 2]]}]]}]]}'
+        dist.broadcast(torch.tensor([len(layout)], dtype=torch.int64), src=0)
+        dist.broadcast(torch.frombuffer(bytearray(layout), dtype=torch.uint8), src=0)
+    else:
+        with pytest.raises(RestoreError, match="rank 0 sent to heal this rank is malformed"):
+            heal({"model": model}, None)
+
+
+def test_a_malformed_state_from_a_peer_is_refused_with_its_rank():
+    run_ranks(2, _malformed_layout)
