@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from agent import regroup
+from agent import regroup, torch_private
 from agent.events import EventLog
 from agent.round_sockets import cut_connections_since, open_sockets
 from agent.worker import REGROUP_DIR, WorkerContext
@@ -126,7 +126,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         context = WorkerContext.from_env()
         leave = threading.Event()
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
-        watcher = _LeaveWatcher(directory, context.round, leave, before) if directory else None
+        watcher = _LeaveWatcher(directory, context.round, leave, before, backend) if directory else None
         try:
             return train(round)
         except BaseException as exc:
@@ -140,7 +140,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         held, previous_state = round.held_step, round.app_state
         del round
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
-        _leave_process_group()
+        _leave_process_group(backend)
         regroup.post_left(directory, context.local_rank,
                           regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))
         os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
@@ -152,19 +152,21 @@ class _LeaveWatcher:
     (a training thread blocked in a collective errors out)."""
 
     def __init__(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
-                 poll_s: float = 0.02) -> None:
+                 backend: str, poll_s: float = 0.02) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(directory, round, leave, before, poll_s),
+        self._thread = threading.Thread(target=self._run, args=(directory, round, leave, before, backend, poll_s),
                                         name="torchrevive-leave-watch", daemon=True)
         self._thread.start()
 
     def _run(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
-             poll_s: float) -> None:
+             backend: str, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
             asked = regroup.leave_requested(directory)
             if asked is not None and round is not None and asked >= round:
                 leave.set()
                 cut_connections_since(before)
+                if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
+                    torch_private.abort_process_group()
                 return
 
     def stop(self) -> None:
@@ -188,7 +190,12 @@ _departed: list[Any] = []
 reducer still holds it can deadlock (see examples/worker_process.py); their connections are cut."""
 
 
-def _leave_process_group() -> None:
+def _leave_process_group(backend: str) -> None:
+    if not dist.is_initialized():  # aborted already
+        return
+    if backend == "nccl":
+        torch_private.abort_process_group()
+        return
     _departed.append(dist.group.WORLD)
     dist.destroy_process_group()
 

@@ -260,3 +260,11 @@ def is_strided_shard(placement: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard  # not while the rendezvous imports
 
     return isinstance(placement, _StridedShard)
+
+
+def abort_process_group() -> None:
+    """Abort every process group of this process and forget the default one (NCCL: a collective
+    blocked on a peer that left returns with an error; from any thread)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group()

@@ -11,6 +11,8 @@ workers, and comes back --rejoin-after-s seconds later. Approaches (--approaches
   torchrevive_memory   torchrevive with the memory tier (a snapshot in the nodes' RAM every
                        --memory-interval steps) and the same storage snapshots
   torchrevive_storage  torchrevive, storage snapshots only
+  torchrevive_in_process  torchrevive with elastic.in_process: survivors keep their processes and
+                       heal from the newest step a live rank holds; a rejoined node heals from a peer
   torchrun_classic     plain torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
                        examples/classic_train.py: rank 0 torch.load + broadcast
   torchft              torchft 0.2.0: one replica group per node, a Lighthouse on node 0's side;
@@ -97,11 +99,12 @@ class Approach:
     faults: bool = True
 
 
-def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path, *, memory_interval: int = 0) -> Nodes:
+def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path, *, memory_interval: int = 0,
+                      in_process: bool = False) -> Nodes:
     """`torchrevive run` agents, storage snapshots every --interval-steps (and memory snapshots
-    every ``memory_interval`` steps)."""
-    job = argparse.Namespace(**{**vars(args), "memory_interval": memory_interval}, backend="c10d",
-                             rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=MAX_RESTARTS)
+    every ``memory_interval`` steps; survivors re-formed in-process with ``in_process``)."""
+    job = argparse.Namespace(**{**vars(args), "memory_interval": memory_interval, "in_process": in_process},
+                             backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=MAX_RESTARTS)
     cluster = Cluster(job, work)
     assert cluster.marks == marks, "the harness's step marks are the ones measured"
     return cluster
@@ -110,6 +113,11 @@ def torchrevive_nodes(args: argparse.Namespace, work: Path, marks: Path, *, memo
 def torchrevive_memory_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
     """`torchrevive run` agents with the memory tier: a memory snapshot every --memory-interval steps."""
     return torchrevive_nodes(args, work, marks, memory_interval=args.memory_interval)
+
+
+def torchrevive_in_process_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """`torchrevive run` agents whose survivors keep their processes (elastic.in_process)."""
+    return torchrevive_nodes(args, work, marks, in_process=True)
 
 
 def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
@@ -132,6 +140,7 @@ APPROACHES: dict[str, Approach] = {
     "fault_free": Approach(torchrevive_nodes, faults=False),
     "torchrevive_memory": Approach(torchrevive_memory_nodes),
     "torchrevive_storage": Approach(torchrevive_nodes),
+    "torchrevive_in_process": Approach(torchrevive_in_process_nodes),
     "torchrun_classic": Approach(classic_nodes),
     "torchft": Approach(torchft_nodes),
     "nvrx": Approach(nvrx_nodes),

@@ -47,7 +47,9 @@ pause in training: from rank 0's last step before the recovered job's first step
 whose new node starts while the job trains on, less than recovery_s), "phases":
 {detect, rendezvous, workers_start, restore, first_step, and for a compiled GPT compile: the compile time
 of the first step after the restart, carved out of first_step}, "compile_cold_s" (the job's first compile;
-None for the MLP)}, "baseline": {"approach", "recovery_s" (from the
+None for the MLP), "recompiles" (graphs dynamo compiled for that first step), "path" ("in_process" when the
+survivors kept their processes, else "restart"), "fallback_reason", "step_s" (the median steady step before
+the fault), "resume_s" (recovery_s less one steady step)}, "baseline": {"approach", "recovery_s" (from the
 fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
 "capped", "cap_s", "peer_config"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
@@ -63,6 +65,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -347,6 +350,8 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                 timeline["steps_lost"] = reached - timeline["restored_step"]
             marks = read_events(cluster.marks)
             timeline["stall_s"] = training_gap(marks, fault_at)
+            timeline["step_s"] = steady_step_s(marks, fault_at)
+            timeline["resume_s"] = timeline["recovery_s"] - (timeline["step_s"] or 0.0)
             split_compile(timeline, marks, fault_at)
             timeline["compile_cold_s"] = compile_cold_s(marks)
             results.append({"scenario": scenario, **timeline})
@@ -508,6 +513,13 @@ def training_gap(marks: list[dict], after: float) -> float | None:
     first = next((m for m in steps if m["event"] == "first_step_done" and m["time"] > after), None)
     before = [m["time"] for m in steps if first is not None and m["time"] < first["time"]]
     return first["time"] - before[-1] if before else None
+
+
+def steady_step_s(marks: list[dict], before: float) -> float | None:
+    """The median time between two of rank 0's steps before ``before`` (None with fewer than two)."""
+    times = sorted(m["time"] for m in marks if m["event"] == "step" and m["time"] < before)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else None
 
 
 def run_baseline(args: argparse.Namespace, work: Path, scenario: str, approach: str, *,

@@ -75,10 +75,12 @@ def compile_cold_s(marks: list[dict]) -> float | None:
 def split_compile(timeline: dict, marks: list[dict], after: float) -> None:
     """Carve the compile time paid by the first step after ``after`` out of the timeline's
     ``first_step`` phase (it is part of it) as ``phases.compile``: the phases still add up to the
-    recovery. Nothing when that step compiled nothing (compile off)."""
+    recovery; ``recompiles`` is how many graphs dynamo compiled for it. Nothing when that step
+    compiled nothing (compile off)."""
     first = next((m for m in marks if m["event"] == "first_step_done" and m["time"] > after), None)
     if first is None or first.get("compile_s") is None or "first_step" not in timeline["phases"]:
         return
     compile_s = min(first["compile_s"], timeline["phases"]["first_step"])
     timeline["phases"]["first_step"] -= compile_s
     timeline["phases"]["compile"] = compile_s
+    timeline["recompiles"] = first.get("compiles")

@@ -92,14 +92,14 @@ def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> tuple[dict, Path, str | None]:
-    """One short run of the benchmark: fault-free, the memory tier and, when their environment
-    can be made, the peers; (report, work dir, why the peers did not run)."""
+    """One short run of the benchmark: fault-free, the memory tier, in-process recovery and, when
+    their environment can be made, the peers; (report, work dir, why the peers did not run)."""
     tmp = tmp_path_factory.mktemp("goodput")
     try:
         peers_python()
-        approaches, no_peers = ["fault_free", "torchrevive_memory", "torchft", "nvrx"], None
+        approaches, no_peers = ["fault_free", "torchrevive_memory", "torchrevive_in_process", "torchft", "nvrx"], None
     except PeersUnavailable as exc:
-        approaches, no_peers = ["fault_free", "torchrevive_memory"], str(exc)
+        approaches, no_peers = ["fault_free", "torchrevive_memory", "torchrevive_in_process"], str(exc)
     out = tmp / "goodput.json"
     done = subprocess.run(
         [sys.executable, "scripts/bench_goodput.py", "--nodes", "3", "--state-mb", "4", "--duration-s", str(DURATION_S),
@@ -139,6 +139,17 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
     assert len(sources) >= 2 and set(sources) <= {"memory", "storage"}, sources
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers
+
+
+def test_in_process_survivors_go_on_from_the_step_they_held(short_run):
+    report, work, _ = short_run
+    in_process = report["results"]["torchrevive_in_process"]
+    assert in_process["faults"] == 1 and in_process["recoveries"] >= 1, in_process
+    # A rank can complete the step its peer died in; the round goes on from the newest step held.
+    assert in_process["steps_lost"] <= in_process["recoveries"], in_process
+    events = read_events(work / "torchrevive_in_process" / "events.jsonl")
+    assert {e["path"] for e in events if e["event"] == "workers_stopped"} == {"in_process"}
+    assert {e["source"] for e in events if e["event"] == "restore_done"} <= {"in_process", "peer"}
 
 
 def test_the_peers_run_under_the_same_schedule(short_run):

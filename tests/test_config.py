@@ -93,6 +93,7 @@ def test_bad_yaml_gets_one_clear_error(tmp_path, text, expected):
         ("rendezvous: {backend: c10d, conf: {join_timeout: 1500ms}}", r"join_timeout: 1500ms is not whole seconds"),
         ("checkpoint: {keep: 0}", r"checkpoint.keep: 0 must be >= 1"),
         ("checkpoint: {writer_nice: 25}", r"job.yaml: checkpoint.writer_nice: 25 is not a niceness from 0 to 19"),
+        ("elastic: {in_process: true, in_process_deadline: 0}", r"job.yaml: elastic.in_process_deadline: .*must be > 0"),
         ("elastic: {global_batch_size: 64}", r"set both elastic.global_batch_size and elastic.micro_batch_size"),
         ("elastic: {global_batch_size: 64, micro_batch_size: 5}", r"64 is not a multiple of elastic.micro_batch_size 5"),
         ("observability: {metrics_port: 70000}", r"observability.metrics_port: port 70000 is outside"),

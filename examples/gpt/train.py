@@ -16,7 +16,8 @@
 
 Rank 0 prints the loss, tokens/s and the world every `--log-every` steps and, with `--marks PATH`,
 appends each step's mark (examples/mlp.py's `mark`, with its samples and tokens); the first step
-of a (re)start also reports `compile_s`, the seconds torch.compile spent in this round. It runs
+of a (re)start also reports `compile_s` and `compiles`, the seconds torch.compile spent and the
+graphs it compiled in this round. It runs
 through `agent.run_resilient`: with `elastic.in_process`, the process (and its compiled code)
 lives across rounds, and each round re-shards and restores the model.
 """
@@ -150,6 +151,13 @@ def compile_seconds() -> float:
     return sum(float(v) for name, v in zip(names, values) if name == "_compile.compile_inner")
 
 
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 @record
 def main() -> None:
     args = parse_args()
@@ -163,7 +171,7 @@ def main() -> None:
         # code is cached in the process across in-process rounds), restored from the snapshot the
         # agent chose.
         ctx = round.context
-        compile_before = compile_seconds()
+        compile_before, graphs_before = compile_seconds(), compiled_graphs()
         dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = GPT(config).to(device)
@@ -225,7 +233,8 @@ def main() -> None:
                           flush=True)
                     window_start, window_steps = time.perf_counter(), 0
                 if args.marks:
-                    extra = {"compile_s": compile_seconds() - compile_before} if first and compiled else {}
+                    extra = {"compile_s": compile_seconds() - compile_before,
+                             "compiles": compiled_graphs() - graphs_before} if first and compiled else {}
                     mark(args.marks, "first_step_done" if first else "step", step + 1, world_size=ctx.world_size,
                          samples=args.global_batch_size, tokens=tokens_per_step, loss=loss_value, **extra)
             if ckpt:
