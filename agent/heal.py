@@ -1,6 +1,7 @@
 """Healing replicated state from a live peer, in-process: the ranks of a re-formed round agree on
-the newest step any of them holds in memory, and the lowest rank holding it sends its state to the
-others over the round's process group (what torchft does for a replica group that restarted).
+the newest step any of them holds in memory, and each rank that lacks it receives the state from
+a rank that holds it, point to point over the round's process group (what torchft does for a
+replica group that restarted).
 
 Only replicated state heals this way (DDP's parameters, its optimizer, counters): every rank that
 holds step S holds the same values. Sharded state (DTensor, ShardedTensor) is refused before any
@@ -53,11 +54,20 @@ def heal(app_state: Mapping[str, Any], held_step: int | None) -> Healed | None:
     newest = max(held)
     if newest < 0:
         return None
-    if all(step == newest for step in held):
+    holders = [rank for rank, step in enumerate(held) if step == newest]
+    lacking = [rank for rank, step in enumerate(held) if step != newest]
+    if not lacking:
         return Healed(step=newest, source=None, bytes=0, seconds=time.perf_counter() - started)
-    source = held.index(newest)
-    received = _send_state(app_state, state_dicts, source, device)
-    return Healed(step=newest, source=source, bytes=received, seconds=time.perf_counter() - started)
+    # Each rank that lacks the step gets it from one holder, the holders taking turns: a new node's
+    # ranks are served in parallel, and a rank that holds the step receives nothing.
+    source_of = {rank: holders[i % len(holders)] for i, rank in enumerate(lacking)}
+    me = dist.get_rank()
+    if me in source_of:
+        received = _receive_state(app_state, source_of[me], device)
+        return Healed(step=newest, source=source_of[me], bytes=received, seconds=time.perf_counter() - started)
+    for rank in (r for r, source in source_of.items() if source == me):
+        _send_state(state_dicts, rank, device)
+    return Healed(step=newest, source=None, bytes=0, seconds=time.perf_counter() - started)
 
 
 def carry_over(previous: Mapping[str, Any], app_state: Mapping[str, Any]) -> None:
@@ -77,30 +87,29 @@ def _same_parameters(a: Any, b: Any) -> bool:
     return [id(p) for p in a.parameters()] == [id(p) for p in b.parameters()]
 
 
-def _send_state(app_state: Mapping[str, Any], state_dicts: dict[str, Any], source: int, device: torch.device) -> int:
-    """Broadcast the source's state dicts: their structure as JSON, then each tensor; the others
-    load what they received. Returns the bytes this rank received."""
-    is_source = dist.get_rank() == source
+def _send_state(state_dicts: dict[str, Any], to: int, device: torch.device) -> None:
+    """Send this rank's state dicts to rank ``to``: their structure as JSON, then each tensor."""
     tensors: list[torch.Tensor] = []
-    if is_source:
-        layout = json.dumps(_encode(state_dicts, tensors)).encode()
-        size = torch.tensor([len(layout)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src=source)
-    buffer = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device) if is_source \
-        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=source)
-    if is_source:
-        for tensor in tensors:
-            dist.broadcast(tensor.detach().to(device).contiguous(), src=source)
-        return 0
+    layout = json.dumps(_encode(state_dicts, tensors)).encode()
+    dist.send(torch.tensor([len(layout)], dtype=torch.int64, device=device), dst=to)
+    dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device), dst=to)
+    for tensor in tensors:
+        dist.send(tensor.detach().to(device).contiguous(), dst=to)
+
+
+def _receive_state(app_state: Mapping[str, Any], source: int, device: torch.device) -> int:
+    """Receive ``source``'s state dicts and load them; the bytes received."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=source)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(buffer, src=source)
+    tensors: list[torch.Tensor] = []
     try:
         decoded = _decode(json.loads(bytes(buffer.cpu().numpy())), tensors, device)
     except (ValueError, TypeError, KeyError) as exc:
         raise RestoreError(f"the state rank {source} sent to heal this rank is malformed: {exc}") from exc
     for tensor in tensors:
-        dist.broadcast(tensor, src=source)
+        dist.recv(tensor, src=source)
     if not isinstance(decoded, dict) or set(decoded) != set(app_state):
         raise RestoreError(f"rank {source} sent state for {sorted(decoded) if isinstance(decoded, dict) else decoded!r}, "
                            f"this rank's app_state has {sorted(app_state)}: every rank must pass the same keys")

@@ -44,6 +44,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -313,6 +314,14 @@ class RecoveryAgent(LocalElasticAgent):
         return [w.local_rank for w in self._worker_group.workers
                 if (left := regroup.read_left(self._regroup_dir, w.local_rank)) is None or left.round != self._round]
 
+    def _left_failure(self, worker: Any) -> ProcessFailure:
+        """A worker that left the round on its own, as torch reports a failed one."""
+        assert self._regroup_dir is not None
+        left = regroup.read_left(self._regroup_dir, worker.local_rank)
+        failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id or 0, exitcode=1, error_file="")
+        failure.message = f"left round {self._round} in-process: {left.reason if left else 'no reason given'}"
+        return failure
+
     def _hand_over_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
         """Give the workers that left the last round this round's environment; their pids."""
         assert self._regroup_dir is not None and self._round is not None and self._pcontext is not None
@@ -330,10 +339,12 @@ class RecoveryAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if not self._standby:
             result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.HEALTHY and self._regroup_dir is not None and worker_group.workers \
-                    and len(self._workers_yet_to_leave()) < len(worker_group.workers):
+            if result.state == WorkerState.HEALTHY and self._regroup_dir is not None:
                 # A worker left on its own: a collective failed, a peer is gone (or failed).
-                return RunResult(state=WorkerState.FAILED)
+                left = {w.global_rank: self._left_failure(w) for w in worker_group.workers
+                        if w.local_rank not in self._workers_yet_to_leave()}
+                if left:
+                    return RunResult(state=WorkerState.FAILED, failures=left)
             return result
         finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)

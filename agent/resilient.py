@@ -138,11 +138,12 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
                 watcher.stop()
         cut_connections_since(before)
         held, previous_state = round.held_step, round.app_state
+        # Told first: the agent re-forms the job while this process cleans up.
+        regroup.post_left(directory, context.local_rank,
+                          regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))
         del round
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
         _leave_process_group(backend)
-        regroup.post_left(directory, context.local_rank,
-                          regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))
         os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
         number += 1
 

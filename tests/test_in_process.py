@@ -63,16 +63,22 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
         assert torch.allclose(ours[key], theirs[key], rtol=0, atol=1e-5), key
 
 
-def test_a_join_a_freeze_and_a_worker_crash_in_process(tmp_path):
-    join, freeze, crash = local_cluster.run_scenarios(
-        harness_args(scenario="join,freeze,kill-worker", in_process=True), tmp_path)
+def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_process(tmp_path):
+    join, freeze, crash, during = local_cluster.run_scenarios(
+        harness_args(scenario="join,freeze,kill-worker,kill-during-restore", in_process=True), tmp_path)
     # The new node's worker heals from a live peer: nothing is read from storage.
     assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 3, "in_process"), join
-    assert join["restore_source"] == "peer" and join["bytes_from_storage"] == 0, join
+    assert join["bytes_from_storage"] == 0, join
     # The frozen node's peers are blocked in a collective with it: cutting their connections frees them.
     assert (freeze["cause"], freeze["path"], freeze["world_size_after"]) == ("node_lost", "in_process", 2), freeze
     # The node whose worker died restarts it; its new worker heals from a survivor's memory.
     assert crash["path"] == "restart" and crash["fallback_reason"] == "a worker process ended", crash
-    assert crash["restore_source"] == "peer", crash
+    assert crash["bytes_from_storage"] == 0, crash
+    # A second node killed while the survivors re-form: they leave that round too and go on alone.
+    assert (during["path"], during["world_size_after"]) == ("in_process", 1), during
     events = read_events(tmp_path / "events.jsonl")
     assert not any(e["event"] == "in_process_fallback" and e["reason"] != "a worker process ended" for e in events)
+    # The joined node's and the restarted worker's state came from survivors (the others held it).
+    healed = [e for e in events if e["event"] == "restore_done" and e["source"] == "peer"]
+    assert len(healed) >= 2 and all(e["bytes"] > 0 for e in healed), healed
+    assert {e["source"] for e in events if e["event"] == "restore_done"} <= {"peer", "in_process"}
