@@ -30,8 +30,8 @@ _TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
 
 @dataclass(frozen=True)
 class Healed:
-    """The step every rank now holds, the rank it came from (None: all held it already), and the
-    bytes this rank received."""
+    """The step every rank now holds, the rank this rank received it from (None: it held that step
+    already), and the bytes it received."""
 
     step: int
     source: int | None

@@ -79,6 +79,7 @@ class Round:
 
     @property
     def leave_requested(self) -> bool:
+        """Whether the agent asked this round to end (``step_done`` then raises RoundEnded)."""
         return self._leave.is_set()
 
     def heal(self, app_state: Mapping[str, Any]) -> int | None:
@@ -129,7 +130,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         watcher = _LeaveWatcher(directory, context.round, leave, before, backend) if directory else None
         try:
             return train(round)
-        except BaseException as exc:
+        except Exception as exc:
             if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):
                 raise
             reason = "asked by the agent" if leave.is_set() else f"a collective failed: {exc}"

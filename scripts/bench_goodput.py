@@ -214,7 +214,8 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
     return {"samples": sum(m["samples"] for m in history),
             "steps": len(history),
             "recoveries": len(details),
-            "steps_lost": sum(d["step_at_failure"] - d["step_restored"] for d in details),
+            # In-process, survivors can hold a step whose mark the fault cut off: none lost then.
+            "steps_lost": sum(max(0, d["step_at_failure"] - d["step_restored"]) for d in details),
             "started_from_step": start["step"] - 1,
             "faults": len(performed),
             "pauses": pauses(steps, performed),

@@ -347,7 +347,9 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             # a join that waited for a commit later).
             reached = cluster.step_at(fault_at + timeline["phases"]["detect"])
             if reached is not None and timeline["restored_step"] is not None:
-                timeline["steps_lost"] = reached - timeline["restored_step"]
+                # In-process, the survivors can hold a step rank 0 never marked (its mark follows
+                # the step's loss all-reduce, which the fault broke): none is lost then.
+                timeline["steps_lost"] = max(0, reached - timeline["restored_step"])
             marks = read_events(cluster.marks)
             timeline["stall_s"] = training_gap(marks, fault_at)
             timeline["step_s"] = steady_step_s(marks, fault_at)

@@ -5,20 +5,16 @@ worker died restarts it (the fallback), and the round still agrees on one step."
 
 from __future__ import annotations
 
-import signal
 import sys
 
-import torch
 from conftest import REPO
-from test_recovery_e2e import STEPS, WIDTH, harness_args, per_step_samples
+from test_recovery_e2e import assert_trained_as_without_faults, harness_args, train_through_a_node_loss
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
-import chaos
 import local_cluster
-from workloads import mlp_workload
 
 
 def worker_pids(events: list[dict], before: float | None = None, after: float | None = None) -> dict[int, int]:
@@ -33,20 +29,7 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
     and ends with the same model as one rank trained without faults."""
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     faulty.mkdir()
-    args = harness_args(scenario="kill", steps=STEPS, in_process=True,
-                        train_args=["--log-samples", str(faulty / "samples.jsonl")])
-    cluster = local_cluster.Cluster(args, faulty)
-    cluster.workload = mlp_workload(WIDTH)
-    try:
-        for index in range(3):
-            cluster.start(index)
-        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a committed snapshot")
-        killed_at = chaos.time.time()
-        cluster.signal(2, signal.SIGKILL)
-        cluster.nodes.pop(2).wait()
-        assert cluster.wait_done(240) == [0, 0]
-    finally:
-        cluster.stop()
+    killed_at = train_through_a_node_loss(faulty, in_process=True)
     events = read_events(faulty / "events.jsonl")
     recovery = recovery_after(events, killed_at, failed_at=killed_at)
     assert recovery is not None and recovery["path"] == "in_process", recovery
@@ -55,12 +38,7 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
     assert set(after.values()) <= set(before.values()), (before, after)  # no new worker process
     last_before = max(e["step"] for e in read_events(faulty / "samples.jsonl") if e["world_size"] == 3)
     assert recovery["restored_step"] == last_before  # the survivors went on from the step they held
-    chaos.reference_run(reference, STEPS, WIDTH)
-    assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(reference / "samples.jsonl")
-    ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", WIDTH)
-    theirs = chaos.final_model(reference / f"step_{STEPS}", WIDTH)
-    for key in theirs:  # equal up to float summation order, as in test_recovery_e2e
-        assert torch.allclose(ours[key], theirs[key], rtol=0, atol=1e-5), key
+    assert_trained_as_without_faults(faulty, reference)
 
 
 def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_process(tmp_path):

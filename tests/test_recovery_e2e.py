@@ -76,25 +76,28 @@ WIDTH = 256
 STEPS = 300
 
 
-def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
-    """Trained through a node loss (3 -> 2 ranks), the job sees the same samples per step and ends
-    with the same model as one rank trained without faults (ElasticSampler keeps the global batch)."""
-    faulty, reference = tmp_path / "faulty", tmp_path / "reference"
-    faulty.mkdir()
-    args = harness_args(scenario="kill", steps=STEPS, train_args=["--log-samples", str(faulty / "samples.jsonl")])
-    cluster = local_cluster.Cluster(args, faulty)
+def train_through_a_node_loss(work, **overrides) -> float:
+    """examples/train.py (WIDTH, STEPS, samples logged) on 3 nodes until it ends, node 2 killed once
+    a snapshot committed; when it was killed."""
+    args = harness_args(scenario="kill", steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
+                        **overrides)
+    cluster = local_cluster.Cluster(args, work)
     cluster.workload = mlp_workload(WIDTH)
     try:
         for index in range(3):
             cluster.start(index)
         cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a committed snapshot")
+        killed_at = time.time()
         cluster.signal(2, signal.SIGKILL)
         cluster.nodes.pop(2).wait()
         assert cluster.wait_done(240) == [0, 0]
     finally:
         cluster.stop()
-    events = read_events(faulty / "events.jsonl")
-    assert any(e["event"] == "rendezvous_done" and e["world_size"] == 2 for e in events)
+    return killed_at
+
+
+def assert_trained_as_without_faults(faulty, reference) -> None:
+    """The same samples per step, and the same final model, as one rank trained without faults."""
     chaos.reference_run(reference, STEPS, WIDTH)
     assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(reference / "samples.jsonl")
     ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", WIDTH)
@@ -103,6 +106,17 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
     # after 300 Adam steps weights of ~0.2 differ by ~2e-6; a wrong sample or restore moves them ~1e-2.
     for key in theirs:
         assert torch.allclose(ours[key], theirs[key], rtol=0, atol=1e-5), key
+
+
+def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
+    """Trained through a node loss (3 -> 2 ranks), the job sees the same samples per step and ends
+    with the same model as one rank trained without faults (ElasticSampler keeps the global batch)."""
+    faulty, reference = tmp_path / "faulty", tmp_path / "reference"
+    faulty.mkdir()
+    train_through_a_node_loss(faulty)
+    events = read_events(faulty / "events.jsonl")
+    assert any(e["event"] == "rendezvous_done" and e["world_size"] == 2 for e in events)
+    assert_trained_as_without_faults(faulty, reference)
 
 
 def test_failures_during_a_save_and_during_a_restore(tmp_path):
