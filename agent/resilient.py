@@ -123,12 +123,14 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
     number, held, previous_state = 0, None, None
     while True:
         before = open_sockets()
-        dist.init_process_group(backend, timeout=timeout)
         context = WorkerContext.from_env()
         leave = threading.Event()
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
+        # Watching from before the group forms: a peer lost meanwhile leaves this worker waiting
+        # in the group's rendezvous, and cutting the store connection frees it.
         watcher = _LeaveWatcher(directory, context.round, leave, before, backend) if directory else None
         try:
+            dist.init_process_group(backend, timeout=timeout)
             return train(round)
         except Exception as exc:
             if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):
@@ -138,7 +140,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
             if watcher is not None:
                 watcher.stop()
         cut_connections_since(before)
-        held, previous_state = round.held_step, round.app_state
+        held, previous_state = round.held_step, round.app_state or previous_state
         # Told first: the agent re-forms the job while this process cleans up.
         regroup.post_left(directory, context.local_rank,
                           regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))

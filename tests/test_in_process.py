@@ -52,10 +52,13 @@ def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_pro
     # The node whose worker died restarts it; its new worker heals from a survivor's memory.
     assert crash["path"] == "restart" and crash["fallback_reason"] == "a worker process ended", crash
     assert crash["bytes_from_storage"] == 0, crash
-    # A second node killed while the survivors re-form: they leave that round too and go on alone.
-    assert (during["path"], during["world_size_after"]) == ("in_process", 1), during
+    # A second node killed while the survivors re-form: they leave that round too and go on alone,
+    # or, where a worker cannot be freed in time, its node restarts it after the deadline.
+    assert during["world_size_after"] == 1, during
+    assert during["path"] == "in_process" or "elastic.in_process_deadline" in during["fallback_reason"], during
     events = read_events(tmp_path / "events.jsonl")
-    assert not any(e["event"] == "in_process_fallback" and e["reason"] != "a worker process ended" for e in events)
+    fallbacks = [e["reason"] for e in events if e["event"] == "in_process_fallback"]
+    assert all(r == "a worker process ended" or "elastic.in_process_deadline" in r for r in fallbacks), fallbacks
     # The joined node's and the restarted worker's state came from survivors (the others held it).
     healed = [e for e in events if e["event"] == "restore_done" and e["source"] == "peer"]
     assert len(healed) >= 2 and all(e["bytes"] > 0 for e in healed), healed
