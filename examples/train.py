@@ -142,23 +142,24 @@ def main() -> None:
                 raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros((), device=device)
-            ids = []
+            step_batches = []
             for _ in range(accum):  # the rank's micro-batches of this step's global batch
                 batch = next(batches, None)
                 if batch is None:  # the epoch ended: the sampler has moved on to the next one
                     batches = iter(loader)
                     batch = next(batches)
-                x, y, sample_ids = batch
-                loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
-                loss.backward()
-                total += loss.detach()
-                ids.extend(sample_ids.tolist())
-            optimizer.step()
-            sampler.advance()
-            if args.log_samples:
+                step_batches.append(batch)
+            if args.log_samples:  # before the step's collectives: a rank killed in them has logged its share
+                ids = [i for _, _, sample_ids in step_batches for i in sample_ids.tolist()]
                 with open(args.log_samples, "a") as f:
                     f.write(json.dumps({"step": step + 1, "rank": ctx.rank, "world_size": ctx.world_size,
                                         "round": ctx.round, "ids": ids}) + "\n")
+            for x, y, _ in step_batches:
+                loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
+                loss.backward()
+                total += loss.detach()
+            optimizer.step()
+            sampler.advance()
             round.step_done(step + 1)
             dist.all_reduce(total)
             if ctx.rank == 0:
