@@ -128,14 +128,18 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         return {_TUPLE: [_encode(v, tensors) for v in value]}
     if isinstance(value, list):
         return [_encode(v, tensors) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
+    if _is_scalar(value):
         return value
     raise RestoreError(f"a state dict holds a {type(value).__name__}: healing from a peer sends containers, "
                        "numbers, strings and tensors only")
 
 
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
 def _key(key: Any) -> Any:
-    if key is None or isinstance(key, bool | int | float | str):
+    if _is_scalar(key):
         return key
     raise RestoreError(f"a state dict key {key!r} is a {type(key).__name__}: healing sends scalar keys only")
 
@@ -144,12 +148,12 @@ def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device) -> An
     if isinstance(value, list):
         return [_decode(v, tensors, device) for v in value]
     if not isinstance(value, dict):
-        if value is None or isinstance(value, bool | int | float | str):
+        if _is_scalar(value):
             return value
         raise TypeError(f"unexpected {type(value).__name__}")
     (kind, body), = value.items()
     if kind == _DICT:
-        return {_key_of(k): _decode(v, tensors, device) for k, v in body}
+        return {_received_key(k): _decode(v, tensors, device) for k, v in body}
     if kind == _TUPLE:
         return tuple(_decode(v, tensors, device) for v in body)
     if kind == _TENSOR:
@@ -162,8 +166,8 @@ def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device) -> An
     raise ValueError(f"unknown entry {kind!r}")
 
 
-def _key_of(key: Any) -> Any:
-    if key is None or isinstance(key, bool | int | float | str):
+def _received_key(key: Any) -> Any:
+    if _is_scalar(key):
         return key
     raise TypeError(f"a key {key!r}")
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
+    Worker,
     WorkerGroup,
     WorkerState,
 )
@@ -309,17 +310,20 @@ class RecoveryAgent(LocalElasticAgent):
         return (f"local ranks {self._workers_yet_to_leave()} did not leave round {self._round} within "
                 f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s)")
 
-    def _workers_yet_to_leave(self) -> list[int]:
+    def _workers_left(self) -> dict[int, regroup.Left]:
+        """What each of this node's workers that left the current round said, by local rank."""
         assert self._regroup_dir is not None
-        return [w.local_rank for w in self._worker_group.workers
-                if (left := regroup.read_left(self._regroup_dir, w.local_rank)) is None or left.round != self._round]
+        said = {w.local_rank: regroup.read_left(self._regroup_dir, w.local_rank) for w in self._worker_group.workers}
+        return {rank: left for rank, left in said.items() if left is not None and left.round == self._round}
 
-    def _left_failure(self, worker: Any) -> ProcessFailure:
+    def _workers_yet_to_leave(self) -> list[int]:
+        left = self._workers_left()
+        return [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
+
+    def _left_failure(self, worker: Worker, left: regroup.Left) -> ProcessFailure:
         """A worker that left the round on its own, as torch reports a failed one."""
-        assert self._regroup_dir is not None
-        left = regroup.read_left(self._regroup_dir, worker.local_rank)
         failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id or 0, exitcode=1, error_file="")
-        failure.message = f"left round {self._round} in-process: {left.reason if left else 'no reason given'}"
+        failure.message = f"left round {self._round} in-process: {left.reason}"
         return failure
 
     def _hand_over_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -341,10 +345,11 @@ class RecoveryAgent(LocalElasticAgent):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and self._regroup_dir is not None:
                 # A worker left on its own: a collective failed, a peer is gone (or failed).
-                left = {w.global_rank: self._left_failure(w) for w in worker_group.workers
-                        if w.local_rank not in self._workers_yet_to_leave()}
+                left = self._workers_left()
                 if left:
-                    return RunResult(state=WorkerState.FAILED, failures=left)
+                    return RunResult(state=WorkerState.FAILED, failures={
+                        w.global_rank: self._left_failure(w, left[w.local_rank]) for w in worker_group.workers
+                        if w.local_rank in left})
             return result
         finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)

@@ -13,25 +13,20 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 
 
 def open_sockets() -> frozenset[str]:
     """The identities (``socket:[inode]``) of the sockets this process holds now."""
-    found = set()
-    for fd in _fds():
-        link = _link(fd)
-        if link is not None and link.startswith("socket:"):
-            found.add(link)
-    return frozenset(found)
+    return frozenset(link for _, link in _sockets())
 
 
 def cut_connections_since(before: frozenset[str]) -> int:
     """Shut down every connected TCP socket this process holds that is not in ``before``; the
     file descriptors stay open (their owners close them). Returns how many were cut."""
     cut = 0
-    for fd in _fds():
-        link = _link(fd)
-        if link is None or not link.startswith("socket:") or link in before:
+    for fd, link in _sockets():
+        if link in before:
             continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -47,6 +42,14 @@ def cut_connections_since(before: frozenset[str]) -> int:
         finally:
             sock.close()
     return cut
+
+
+def _sockets() -> Iterator[tuple[int, str]]:
+    """(file descriptor, ``socket:[inode]``) of each socket this process holds."""
+    for fd in _fds():
+        link = _link(fd)
+        if link is not None and link.startswith("socket:"):
+            yield fd, link
 
 
 def _fds() -> list[int]:
