@@ -210,7 +210,7 @@ class Cluster(Nodes):
                            "keep": getattr(args, "keep_snapshots", 2), "memory_interval_steps": self.memory_interval,
                            "memory_dir": str(self.memory_dir) if self.memory_dir else None},
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1),
-                        "in_process": getattr(args, "in_process", False)},
+                        "in_process": getattr(args, "in_process", False), **(self.workload.batch or {})},
             "observability": {"event_log": str(self.events)},
         }))
 

@@ -25,6 +25,11 @@ GPT_SIZES: dict[str, list[str]] = {
     "tiny": ["--dim", "64", "--layers", "1", "--heads", "2", "--seq-len", "32", "--data-bytes", "400000"],
 }
 """Sizes of the GPT, as examples/gpt/train.py flags (tiny: for the tests)."""
+GPT_GLOBAL_BATCH, GPT_MICRO_BATCH = 24, 2
+"""The GPT's sequences per step, and per rank per accumulation step at every world size (2 divides
+the 6 of 4 ranks and the 8 of 3): a rank's batch keeps its shape across a recovery, so the blocks
+compiled for static shapes are not compiled again, as on a real job whose per-device batch is
+fixed by its memory."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class Workload:
     """Parameters and Adam's two moments, float32."""
     width: int | None = None
     """The MLP's hidden width (None for the GPT)."""
+    batch: dict[str, int] | None = None
+    """The agent's ``elastic.global_batch_size`` and ``elastic.micro_batch_size``, where the job keeps
+    its per-rank batch at every world size (and varies the accumulation steps instead)."""
 
 
 def width_for(state_mb: float) -> int:
@@ -60,10 +68,11 @@ def workload_of(args: argparse.Namespace) -> Workload:
     """The job that ``--workload`` (with ``--state-mb``, or ``--gpt-size`` and ``--compile``) names."""
     if getattr(args, "workload", "mlp") == "mlp":
         return mlp_workload(width_for(args.state_mb))
-    flags = (*GPT_SIZES[args.gpt_size], "--compile", args.compile)
+    flags = (*GPT_SIZES[args.gpt_size], "--compile", args.compile, "--global-batch-size", str(GPT_GLOBAL_BATCH))
     with torch.device("meta"):  # counted without memory or initialization
         params = count_parameters(GPT(model_config(parse_args(list(flags)))))
-    return Workload("gpt", "examples/gpt/train.py", flags, params, params * 12)
+    return Workload("gpt", "examples/gpt/train.py", flags, params, params * 12,
+                    batch={"global_batch_size": GPT_GLOBAL_BATCH, "micro_batch_size": GPT_MICRO_BATCH})
 
 
 def compile_cold_s(marks: list[dict]) -> float | None:

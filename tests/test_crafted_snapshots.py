@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchsnapshot
+import yaml
 from distributed import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -261,6 +262,29 @@ def test_sharded_snapshot_restores_into_canaried_destinations(sharded):
     assert torch.equal(dest.tensors["dt"], ROWS) and torch.equal(dest.tensors["st"], ROWS)
     assert torch.equal(dest.tensors["big"], BIG) and torch.equal(dest.tensors["rep"], W)
     assert state["s"]["obj"] == (1, 2) and state["s"]["lst"][0] == 1 and state["s"]["raw"] == b"ab"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_metadata_written_as_yaml_restores_as_its_json_does(sharded):
+    """torchsnapshot writes its metadata as JSON, which the restore reads without a YAML parser; an
+    older torchsnapshot wrote YAML proper, which still restores, to the same entries."""
+    path = sharded / ".snapshot_metadata"
+    from_json = load_metadata(sharded)
+    path.write_text(yaml.safe_dump(json.loads(path.read_text())))
+    assert not path.read_text().lstrip().startswith("{")
+    assert load_metadata(sharded) == from_json
+    dest, state = sharded_destination()
+    agent.restore(sharded, state)
+    assert torch.equal(dest.tensors["dt"], ROWS) and torch.equal(dest.tensors["big"], BIG)
+
+
+def test_an_entry_of_a_type_torchsnapshot_never_writes_is_refused(sharded):
+    edit_metadata(sharded, lambda m: manifest(m)["0/s/w"].update(type="Bogus"))
+    dest, state = sharded_destination()
+    with pytest.raises(RestoreError, match=r"snap/\.snapshot_metadata: unreadable snapshot metadata \(ValueError: "
+                                           r"manifest entry '0/s/w' has the unknown type 'Bogus'\); restore another"):
+        agent.restore(sharded, state)
+    assert dest.untouched()
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

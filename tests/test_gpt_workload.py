@@ -18,6 +18,7 @@ from workloads import GPT_SIZES, workload_of
 from agent.events import read_events
 
 TINY = GPT_SIZES["tiny"]
+RTOL = 1e-5
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["restart", "in-process"])
@@ -31,7 +32,11 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
     assert (run["path"], run["fallback_reason"]) == ("in_process" if in_process else "restart", None), run
     assert run["restored_step"] is not None and run["restored_step"] % 5 == 0
     phases = run["phases"]
-    assert phases["compile"] > 0 and run["compile_cold_s"] > 0, run
+    assert run["compile_cold_s"] > 0, run
+    if in_process:  # the compiled blocks live on, and a rank's batch keeps its shape: nothing compiles again
+        assert (run["recompiles"], phases["compile"]) == (0, 0), run
+    else:  # a new process compiles again (from inductor's caches)
+        assert run["recompiles"] > 0 and phases["compile"] > 0, run
     assert abs(sum(phases.values()) - run["recovery_s"]) < 1e-6  # compile is carved out of first_step
     marks = read_events(tmp_path / "marks.jsonl")
     assert all(m["tokens"] == m["samples"] * 32 for m in marks)  # --seq-len 32 tokens per sequence
@@ -72,4 +77,25 @@ def test_gpt_with_tensor_parallelism_resumes(tmp_path, later_ranks):
     if later_ranks == 4:
         assert losses(resumed) == {step: straight[step] for step in (5, 6)}
     else:  # the same global batch, summed in another order over fewer data-parallel ranks
-        assert losses(resumed) == pytest.approx({step: straight[step] for step in (5, 6)}, rel=1e-5)
+        assert losses(resumed) == pytest.approx({step: straight[step] for step in (5, 6)}, rel=RTOL)
+
+
+def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_path):
+    """A node killed (4 -> 3 ranks), then a node joining (3 -> 4), in-process: the survivors re-shard
+    the FSDP2 model and AdamW in their own processes each round. Every step's loss (the last run of
+    it) is the one a single rank trained without faults gets, with the same schedule and data."""
+    args = argparse.Namespace(nodes=4, nproc_per_node=1, scenario="kill,join", fault_node=3, backend="c10d",
+                              rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=3, timeout=240,
+                              workload="gpt", gpt_size="tiny", compile="off", in_process=True)
+    (tmp_path / "faulty").mkdir()
+    kill, join = local_cluster.run_scenarios(args, tmp_path / "faulty")
+    assert [(run["world_size_after"], run["path"]) for run in (kill, join)] == [(3, "in_process"), (4, "in_process")]
+    ours = losses(read_events(tmp_path / "faulty" / "marks.jsonl"))  # a step run again: its last loss
+    assert max(ours) > join["restored_step"] > kill["restored_step"] > 0
+    # The harness's job runs for 1e6 steps: the reference keeps its learning-rate schedule.
+    reference = losses(train(tmp_path, "reference", max(ours), 1, "--lr-decay-steps", "1000000"))
+    assert sorted(ours) == sorted(reference)
+    # Equal up to float summation order (micro-batches of 2 over 4, 3, then 4 ranks against one batch
+    # of 24: measured 1.4e-7 over 48 steps); a wrong shard, optimizer moment or data position moves
+    # a loss by far more.
+    assert ours == pytest.approx(reference, rel=RTOL), max(abs(ours[s] / reference[s] - 1) for s in ours)

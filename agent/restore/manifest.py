@@ -1,12 +1,13 @@
 """Snapshot metadata -> the entries one rank restores, and each tensor entry's stored chunks.
 
-The metadata is parsed by torchsnapshot's own code (``SnapshotMetadata.from_yaml`` and its
-entry classes) and checked once (:mod:`agent.restore.metadata_checks`): everything downstream
+The metadata is read into torchsnapshot's own classes (``SnapshotMetadata`` and its entry
+classes' ``from_yaml_obj``) and checked once (:mod:`agent.restore.metadata_checks`): everything downstream
 trusts what passed. This module picks a rank's entries and turns tensor entries into boxes of bytes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,8 +15,13 @@ from pathlib import Path
 import torch
 from torchsnapshot.manifest import (
     ChunkedTensorEntry,
+    DictEntry,
     DTensorEntry,
     Entry,
+    ListEntry,
+    ObjectEntry,
+    OrderedDictEntry,
+    PrimitiveEntry,
     ShardedTensorEntry,
     SnapshotMetadata,
     TensorEntry,
@@ -29,6 +35,12 @@ from agent.restore.metadata_checks import check_metadata
 
 METADATA_FILE = ".snapshot_metadata"
 TENSOR_ENTRY_TYPES = (TensorEntry, ChunkedTensorEntry, DTensorEntry, ShardedTensorEntry)
+ENTRY_TYPES: dict[str, type[Entry]] = {
+    "list": ListEntry, "dict": DictEntry, "OrderedDict": OrderedDictEntry, "Tensor": TensorEntry,
+    "ShardedTensor": ShardedTensorEntry, "ChunkedTensor": ChunkedTensorEntry, "DTensor": DTensorEntry,
+    "object": ObjectEntry, **dict.fromkeys(PrimitiveEntry.supported_types, PrimitiveEntry),
+}
+"""torchsnapshot's entry class for each ``type`` a manifest entry names."""
 
 
 @dataclass(frozen=True)
@@ -73,13 +85,31 @@ def load_metadata(snapshot: Path) -> SnapshotMetadata:
         hint = "the directory does not exist" if not snapshot.exists() else "the snapshot is incomplete or not a snapshot"
         raise RestoreError(f"{path}: missing ({hint}); restore another snapshot") from None
     try:
-        metadata = SnapshotMetadata.from_yaml(text)
+        metadata = parse_metadata(text)
     except Exception as exc:  # torchsnapshot's parser raises whatever YAML or its dataclasses raise
         raise RestoreError(f"{path}: unreadable snapshot metadata ({type(exc).__name__}: {exc}); restore another snapshot") from exc
     check_metadata(metadata, named_in=path)
     stored_in = holders(metadata)
     check_locations(snapshot, {location: keys[0] for location, keys in stored_in.items()}, named_in=path)
     return metadata
+
+
+def parse_metadata(text: str) -> SnapshotMetadata:
+    """The metadata in ``text``. torchsnapshot writes it as JSON and reads it back with a YAML
+    parser (JSON is YAML), which takes ~100x longer: 0.27 s against 2 ms for the 690 entries of a
+    19.5 M-parameter FSDP2 model on 3 ranks, paid by every rank at every restore. JSON is read as
+    JSON here; other text (a snapshot an older torchsnapshot wrote as YAML) by torchsnapshot."""
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return SnapshotMetadata.from_yaml(text)
+    manifest: dict[str, Entry] = {}
+    for path, entry in document["manifest"].items():
+        kind = ENTRY_TYPES.get(entry["type"])
+        if kind is None:
+            raise ValueError(f"manifest entry {path!r} has the unknown type {entry['type']!r}")
+        manifest[path] = kind.from_yaml_obj(entry)
+    return SnapshotMetadata(**{**document, "manifest": manifest})
 
 
 def manifest_for_rank(metadata: SnapshotMetadata, rank: int) -> dict[str, Entry]:

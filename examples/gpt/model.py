@@ -128,6 +128,10 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=residual_std)
             else:
                 nn.init.normal_(param, std=0.02)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Compute the rotary tables (a model built on the meta device has none)."""
         cos, sin = rotary_tables(self.config)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

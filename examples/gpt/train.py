@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch.compile each block (auto: where a C compiler exists)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--lr-decay-steps", type=int, default=None,
+                        help="the step where the cosine ends (default: --steps; set it to keep the schedule of a "
+                             "job whose --steps changes between runs)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a share of --lr")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--data-bytes", type=int, default=8_000_000, help="bytes of standard-library source to train on")
@@ -117,11 +121,34 @@ def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, com
     fully_shard(model, mesh=dp_mesh)
 
 
+def sharded_model(config: GPTConfig, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, compile_blocks: bool,
+                  device: torch.device) -> GPT:
+    """The model built on the meta device, parallelized, then given uninitialized storage of its
+    own shards only (as torchtitan does): a restore or `initialize` sets every parameter, so a
+    recovery spends no time initializing weights that are overwritten."""
+    with torch.device("meta"):
+        model = GPT(config)
+    parallelize(model, dp_mesh, tp_mesh, compile_blocks)
+    model.to_empty(device=device)
+    model.init_buffers()
+    return model
+
+
+def initialize(model: GPT, config: GPTConfig, seed: int) -> None:
+    """A fresh start's weights: every rank initializes the whole model with one seed (the weights
+    do not depend on the world) and keeps its own shards."""
+    torch.manual_seed(seed)
+    full = GPT(config)
+    full.init_weights()
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
 def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up to --lr, then a cosine down to --min-lr-ratio x --lr at --steps."""
+    """Linear warm-up to --lr, then a cosine down to --min-lr-ratio x --lr at --lr-decay-steps."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    decay_steps = args.lr_decay_steps or args.steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, decay_steps - args.warmup_steps))
     floor = args.lr * args.min_lr_ratio
     return floor + (args.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -173,10 +200,7 @@ def main() -> None:
         ctx = round.context
         compile_before, graphs_before = compile_seconds(), compiled_graphs()
         dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = GPT(config).to(device)
-        model.init_weights()
-        parallelize(model, dp_mesh, tp_mesh, compiled)
+        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         if ctx.rank == 0:
             print(f"world_size={ctx.world_size} restart={ctx.restart_count} round={round.number} "
@@ -195,7 +219,10 @@ def main() -> None:
 
         ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
         app_state = {"model": model, "optim": optimizer, "data": sampler}
-        start = (ckpt.restore(app_state) or 0) if ckpt else 0
+        restored = ckpt.restore(app_state) if ckpt else None
+        if restored is None:
+            initialize(model, config, args.seed)
+        start = restored or 0
         if start and ctx.rank == 0:
             print(f"resumed from step {start}", flush=True)
 
