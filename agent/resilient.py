@@ -130,6 +130,9 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         # in the group's rendezvous, and cutting the store connection frees it.
         watcher = _LeaveWatcher(directory, context.round, leave, before, backend) if directory else None
         try:
+            if directory is not None and _asked_to_leave(directory, context.round):
+                leave.set()  # asked before the group formed (a join during the start): nothing to join
+                raise RoundEnded(f"round {context.round} ended before its group formed")
             dist.init_process_group(backend, timeout=timeout)
             return train(round)
         except Exception as exc:
@@ -165,8 +168,7 @@ class _LeaveWatcher:
     def _run(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
              backend: str, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
-            asked = regroup.leave_requested(directory)
-            if asked is not None and round is not None and asked >= round:
+            if _asked_to_leave(directory, round):
                 leave.set()
                 cut_connections_since(before)
                 if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
@@ -176,6 +178,12 @@ class _LeaveWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _asked_to_leave(directory: str, round: int | None) -> bool:
+    """Whether the agent asked its workers to end ``round`` (or a later one)."""
+    asked = regroup.leave_requested(directory)
+    return asked is not None and round is not None and asked >= round
 
 
 def _collective_failed(exc: BaseException) -> bool:
@@ -195,7 +203,8 @@ reducer still holds it can deadlock (see examples/worker_process.py); their conn
 
 
 def _leave_process_group(backend: str) -> None:
-    if not dist.is_initialized():  # aborted already
+    if not dist.is_initialized():  # aborted already, or its init failed (a peer left meanwhile)
+        torch_private.forget_failed_group_init()
         return
     if backend == "nccl":
         torch_private.abort_process_group()

@@ -3,7 +3,8 @@ torch.distributed.elastic, the dynamic rendezvous's state, state holder and oper
 (the prompt re-rendezvous, the membership watch, the node ledger, etcd3's round state and outage
 tolerance), the agent's health check and store binding, and the worker processes' handler factory
 (warm workers); in torch.distributed.tensor, the strided shard placement of FSDP2 over tensor
-parallelism. Nothing else in the package names a private torch attribute or class.
+parallelism; in torch.distributed, the abort of process groups and the counter that names them.
+Nothing else in the package names a private torch attribute or class.
 
 Each was read in torch 2.13, the only torch the package declares and tests (``torch>=2.13,<2.14``);
 another torch warns once, at import, because these names may have changed there (the tests then
@@ -268,3 +269,13 @@ def abort_process_group() -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group()
+
+
+def forget_failed_group_init() -> None:
+    """Undo what a failed ``init_process_group`` leaves behind in this process: torch names
+    unnamed groups by a counter it advances before the backend connects, so after a failed init
+    the process's next default group is "1" where its peers' (new processes, or ones whose init
+    succeeded and whose group was destroyed) is "0", and gloo waits for keys that never come."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0

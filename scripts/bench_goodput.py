@@ -1,8 +1,11 @@
 """Goodput under a schedule of node kills: the same job (examples/mlp.py's MLP and data, Adam, K
-nodes on 127.0.0.1) run for the same time by each approach, with the same kills at the same times.
+nodes on 127.0.0.1; or, with --workload gpt, the compiled FSDP2 GPT of examples/gpt/train.py, for
+torchrevive's approaches) run for the same time by each approach, with the same kills at the same times.
 
     python scripts/bench_goodput.py --nodes 4 --state-mb 512 --duration-s 480 --kill-every-s 120 \\
         --rejoin-after-s 30 --memory-interval 10 --json out.json
+    python scripts/bench_goodput.py --workload gpt --interval-steps 5 --memory-interval 2 \\
+        --approaches fault_free,torchrevive_storage,torchrevive_in_process --json out.json
 
 Every --kill-every-s seconds a node (never node 0, which hosts the c10d store and the peers'
 coordinators; the victims rotate over the others that are up) is killed with SIGKILL, agent and
@@ -28,7 +31,7 @@ world) samples per rank (torchft: per replica group) a step, so a step at a smal
 fewer samples. The clock starts at t0, the first step the job trains at its full world size
 (start-up is no one's cost), and each run is killed at t0 + duration.
 
-samples: the samples in the model at t0 + duration: those of every step in the history of the last
+samples (and tokens, for the GPT): the samples in the model at t0 + duration: those of every step in the history of the last
 step trained by then (a step trained again after a rollback counts once, as trained last; steps a
 rollback threw away count not at all), from t0 on. steps: that history's steps from t0 on.
 goodput: samples / the fault-free run's samples. A recovery is a restart of training (after a
@@ -42,8 +45,8 @@ timeline: [seconds since t0, step, world size] about every second and around eve
 rollback (scripts/plot_goodput.py draws it). full_world_step_s: the mean time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
 
-JSON: {"duration_s", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
-"samples", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
+JSON: {"duration_s", "workload", "params", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
+"samples", "tokens", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
 "speed_between_faults", "timeline", "recovery_details": [...], "peer_config", ...}}, "date", "machine", ...}.
 """
 
@@ -68,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from local_cluster import ClassicCluster, Cluster, Nodes
-from workloads import workload_of
+from workloads import GPT_SIZES, WORKLOADS, workload_of
 from local_ports import free_port
 from nvrx_cluster import NvrxCluster
 from peers_env import peers_python
@@ -147,6 +150,8 @@ APPROACHES: dict[str, Approach] = {
 }
 PEERS = {"torchft", "nvrx"}
 """Approaches that run from the peers' virtual environment."""
+MLP_ONLY = PEERS | {"torchrun_classic"}
+"""Approaches that run a training script of their own, the MLP's only."""
 
 
 def make_schedule(nodes: int, duration_s: float, kill_every_s: float, rejoin_after_s: float) -> list[Fault]:
@@ -211,7 +216,9 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
     history = model_history(steps, start["step"] - 1)
     starts = [m for m in steps if m["event"] == "first_step_done"]
     details = [recovery(restart, previous["time"], steps, performed, t0) for previous, restart in zip(starts, starts[1:])]
+    tokens = [m["tokens"] for m in history if "tokens" in m]
     return {"samples": sum(m["samples"] for m in history),
+            "tokens": sum(tokens) if tokens else None,
             "steps": len(history),
             "recoveries": len(details),
             # In-process, survivors can hold a step whose mark the fault cut off: none lost then.
@@ -290,7 +297,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--state-mb", type=float, default=512)
+    parser.add_argument("--workload", choices=WORKLOADS, default="mlp",
+                        help="mlp: examples/train.py sized by --state-mb; gpt: examples/gpt/train.py (torchrevive's "
+                             "approaches only: the others run an MLP script of their own)")
+    parser.add_argument("--gpt-size", choices=sorted(GPT_SIZES), default="default", help="--workload gpt: the model")
+    parser.add_argument("--compile", choices=("on", "off"), default="on", help="--workload gpt: torch.compile per block")
+    parser.add_argument("--state-mb", type=float, default=512, help="--workload mlp: the state's size")
     parser.add_argument("--duration-s", type=float, default=600)
     parser.add_argument("--kill-every-s", type=float, default=60)
     parser.add_argument("--rejoin-after-s", type=float, default=20)
@@ -305,6 +317,8 @@ def parse_args() -> argparse.Namespace:
     args.approaches = args.approaches.split(",")
     if unknown := [n for n in args.approaches if n not in APPROACHES]:
         parser.error(f"--approaches: unknown {', '.join(unknown)}; choose from {', '.join(APPROACHES)}")
+    if args.workload != "mlp" and (mlp_only := [n for n in args.approaches if n in MLP_ONLY]):
+        parser.error(f"--workload {args.workload}: {', '.join(mlp_only)} train(s) the MLP only; leave them out")
     if "fault_free" not in args.approaches:
         parser.error("--approaches must include fault_free: goodput is relative to it")
     if args.nodes < 2:
@@ -338,8 +352,10 @@ def main() -> None:
 def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, dict[str, Any]],
            work: Path | None) -> dict[str, Any]:
     """The JSON report: the contract's fields, the run's settings, the schedule, date and machine."""
+    workload = workload_of(args)
     return {"duration_s": args.duration_s, "results": results, "schedule": [asdict(f) for f in schedule],
-            "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": workload_of(args).state_bytes,
+            "workload": workload.name, "params": workload.params, "args": list(workload.args),
+            "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": workload.state_bytes,
             "interval_steps": args.interval_steps, "kill_every_s": args.kill_every_s, "rejoin_after_s": args.rejoin_after_s,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": importlib.metadata.version("torch")},

@@ -5,6 +5,7 @@ by the script itself (scripts/bench_goodput.py), never here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_goodput import Fault, make_schedule, measure
 from peers_env import PeersUnavailable, peers_python
 from plot_goodput import draw
+from workloads import workload_of
 
 DURATION_S = 60
 KILL_AT_S = 30
@@ -53,7 +55,10 @@ def test_samples_steps_recoveries_and_pauses_from_the_marks():
     assert (result["recoveries"], result["steps_lost"]) == (2, 2 + 3)
     # In the model at the end: steps 1..12, steps 11 and 12 as trained last (at 3 ranks, after the
     # rejoin); the 2-rank steps 11..13 were rolled back.
-    assert result["steps"] == 12 and result["samples"] == 12 * 48
+    assert result["steps"] == 12 and result["samples"] == 12 * 48 and result["tokens"] is None
+    # The GPT's marks carry their tokens: those of the same steps count.
+    with_tokens = [{**m, "tokens": m["samples"] * 32} for m in marks]
+    assert measure(with_tokens, with_tokens[2], 25, performed)["tokens"] == 12 * 48 * 32
     kill, rejoin = result["recovery_details"]
     assert kill["cause"] == {"at_s": 12, "action": "kill", "node": 1} and kill["recovery_s"] == 3.0
     assert rejoin["step_at_failure"] == 13 and rejoin["recovery_s"] == 2.0
@@ -120,6 +125,8 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
         assert 0 < result["goodput"] <= 1.5 and result["steps_lost"] >= 0, (name, result)
         assert result["full_world_step_s"] > 0, (name, result)
     assert report["results"]["fault_free"]["goodput"] == 1.0
+    assert (report["workload"], report["params"]) == ("mlp", workload_of(argparse.Namespace(state_mb=4)).params)
+    assert all(result["tokens"] is None for result in report["results"].values())  # the MLP's samples are no text
     memory = report["results"]["torchrevive_memory"]
     # One kill; a survivor a moment late can still miss the first round and join at once, a second
     # recovery (open work of the fast-restart issue): the job ends in one round of the 2 survivors.
@@ -179,3 +186,12 @@ def test_the_picture_draws_each_approach_and_each_fault():
     assert len(lines) == 2 and lines[0].get("stroke") != lines[1].get("stroke")
     texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
     assert "kill 1" in texts and "rejoin 1" in texts and "torchft (goodput 0.900)" in texts
+
+
+def test_the_gpt_runs_only_where_its_script_does():
+    """The peers and plain torchrun train an MLP script of their own: with the GPT they are refused
+    before anything starts."""
+    done = subprocess.run([sys.executable, "scripts/bench_goodput.py", "--workload", "gpt",
+                           "--approaches", "fault_free,torchrevive_in_process,torchft"],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--workload gpt: torchft train(s) the MLP only; leave them out" in done.stderr

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import TCPStore
 
 from agent import regroup
 from agent.elastic_sampler import ElasticSampler
 from agent.errors import RestoreError
 from agent.heal import heal
+from agent.resilient import _leave_process_group
 from agent.round_sockets import cut_connections_since, open_sockets
 from tests.distributed import run_ranks
 
@@ -57,6 +60,30 @@ def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
     finally:
         for s in (listener, older, older_peer, newer, newer_peer):
             s.close()
+
+
+def _a_round_after_a_failed_init(rank: int, world_size: int) -> None:
+    # The next round's store, hosted by rank 0 (its port told over the current group).
+    next_store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [next_store.port if next_store else None]
+    dist.broadcast_object_list(port, src=0)
+    _leave_process_group("gloo")  # the round ends on both ranks
+    if rank == 1:  # a round whose group never formed here (its peers left meanwhile)
+        alone = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1))
+        with pytest.raises(dist.DistError):
+            dist.init_process_group("gloo", store=alone, rank=0, world_size=2, timeout=timedelta(seconds=1))
+        _leave_process_group("gloo")
+    store = next_store or TCPStore("127.0.0.1", port[0], world_size, is_master=False)
+    # Both name the group alike (else gloo waits for the other's keys: the job hung until the timeout).
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    assert dist.group.WORLD.group_name == "0"
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == world_size
+
+
+def test_a_worker_whose_group_failed_to_form_enters_the_next_round_with_its_peers():
+    run_ranks(2, _a_round_after_a_failed_init, timeout_s=120)
 
 
 def _replicated_state(held: int | None, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ElasticSampler]:
