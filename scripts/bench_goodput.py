@@ -31,19 +31,20 @@ world) samples per rank (torchft: per replica group) a step, so a step at a smal
 fewer samples. The clock starts at t0, the first step the job trains at its full world size
 (start-up is no one's cost), and each run is killed at t0 + duration.
 
-samples (and tokens, for the GPT): the samples in the model at t0 + duration: those of every step in the history of the last
-step trained by then (a step trained again after a rollback counts once, as trained last; steps a
-rollback threw away count not at all), from t0 on. steps: that history's steps from t0 on.
-goodput: samples / the fault-free run's samples. A recovery is a restart of training (after a
-kill or a rejoin) that completed its first step in time; steps_lost sums, over recoveries, the
-highest step trained since the previous restart less the step it restored. pauses: for each fault,
-the longest time between two consecutive steps that is its own: the first fault that struck during
-it (or one median step before its end: that step was under way) owns it, so a rejoin during a
+samples (and tokens, for the GPT): the samples in the model at t0 + duration: those of every step in
+the history of the last step trained by then (a step trained again after a rollback counts once, as
+trained last; steps a rollback threw away count not at all), from t0 on. steps: that history's steps
+from t0 on. goodput: samples / the fault-free run's samples. A recovery is a restart of training
+(after a kill or a rejoin) that completed its first step in time; steps_lost sums, over recoveries,
+the highest step trained since the previous restart less the step it restored. pauses: for each
+fault, the longest time between two consecutive steps that is its own: the first fault that struck
+during it (or one median step before its end: that step was under way) owns it, so a rejoin during a
 kill's recovery pauses nothing more; a time no fault struck is the last fault's before it (a save's
-stall after a fault counts as that fault's).
-timeline: [seconds since t0, step, world size] about every second and around every pause or
-rollback (scripts/plot_goodput.py draws it). full_world_step_s: the mean time of a step at the full world size after another such step;
-speed_between_faults: the fault-free run's over the approach's (what its saving costs while it runs).
+stall after a fault counts as that fault's). timeline: [seconds since t0, step, world size] about
+every second and around every pause or rollback (scripts/plot_goodput.py draws it).
+full_world_step_s: the mean time of a step at the full world size after another such step;
+speed_between_faults: the fault-free run's over the approach's (what its saving costs while it
+runs).
 
 JSON: {"duration_s", "workload", "params", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
 "samples", "tokens", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",

@@ -36,8 +36,11 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
     assert recovery["restore_source"] == "in_process" and recovery["bytes_from_storage"] == 0, recovery
     before, after = worker_pids(events, before=killed_at), worker_pids(events, after=killed_at)
     assert set(after.values()) <= set(before.values()), (before, after)  # no new worker process
-    last_before = max(e["step"] for e in read_events(faulty / "samples.jsonl") if e["world_size"] == 3)
-    assert recovery["restored_step"] == last_before  # the survivors went on from the step they held
+    # The last step started at 3 ranks (its samples are logged before its collectives) is the one
+    # the kill struck: the survivors go on from it when one of them completed it, else from the one
+    # before, the newest they all hold. Either way no completed step is lost or trained twice (below).
+    last_started = max(e["step"] for e in read_events(faulty / "samples.jsonl") if e["world_size"] == 3)
+    assert recovery["restored_step"] in (last_started - 1, last_started), (recovery, last_started)
     assert_trained_as_without_faults(faulty, reference)
 
 
