@@ -203,6 +203,7 @@ reducer still holds it can deadlock (see examples/worker_process.py); their conn
 
 
 def _leave_process_group(backend: str) -> None:
+    torch_private.forget_device_meshes()
     if not dist.is_initialized():  # aborted already, or its init failed (a peer left meanwhile)
         torch_private.forget_failed_group_init()
         return

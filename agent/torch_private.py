@@ -279,3 +279,17 @@ def forget_failed_group_init() -> None:
     from torch.distributed import distributed_c10d
 
     distributed_c10d._world.group_count = 0
+
+
+def forget_device_meshes() -> None:
+    """Drop DTensor's caches of what it computed for a DeviceMesh. They are keyed by mesh
+    equality, and a mesh compares equal to an older round's of the same shape, though this
+    process's coordinate in it (its rank) may have changed since: a cache hit would hand a new
+    round's DTensors the old mesh, and with it the shard offsets of the rank this process was."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -163,10 +163,11 @@ def main() -> None:
             round.step_done(step + 1)
             dist.all_reduce(total)
             if ctx.rank == 0:
-                print(f"step={step + 1} loss={total.item() / ctx.world_size:.6f} world_size={ctx.world_size}", flush=True)
+                loss_value = total.item() / ctx.world_size
+                print(f"step={step + 1} loss={loss_value:.6f} world_size={ctx.world_size}", flush=True)
                 if args.marks:
                     mark(args.marks, "first_step_done" if step == start else "step", step + 1,
-                         world_size=ctx.world_size, samples=args.global_batch_size)
+                         world_size=ctx.world_size, samples=args.global_batch_size, loss=loss_value)
             if ckpt:
                 ckpt.maybe_save(step + 1, app_state)
         if ckpt:

@@ -44,11 +44,17 @@ stall after a fault counts as that fault's). timeline: [seconds since t0, step, 
 every second and around every pause or rollback (scripts/plot_goodput.py draws it).
 full_world_step_s: the mean time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it
-runs).
+runs). losses: [step, loss] of each step in the model's history (torchrevive's approaches log it);
+loss_vs_fault_free: for an approach that trains the same samples in each step as the fault-free run
+(torchrevive's), the largest relative difference between its loss and the fault-free run's at the
+same step, over the steps both trained: float summation order moves it by about 1e-7 to 1e-5; a
+wrong shard, optimizer moment or data position by far more, and the table flags any above
+LOSS_RTOL: samples counted in a model that went wrong are not good ones.
 
 JSON: {"duration_s", "workload", "params", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
 "samples", "tokens", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
-"speed_between_faults", "timeline", "recovery_details": [...], "peer_config", ...}}, "date", "machine", ...}.
+"speed_between_faults", "timeline", "recovery_details": [...], "losses", "loss_vs_fault_free", "peer_config",
+...}}, "date", "machine", ...}.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ from agent.events import read_events
 MAX_RESTARTS = 1000
 """torchrun's worker-failure restarts for every approach: more than any schedule's kills."""
 STEP_EVENTS = ("first_step_done", "step")
+SAME_SAMPLES_PER_STEP = ("torchrevive_memory", "torchrevive_storage", "torchrevive_in_process")
+"""The approaches whose steps train the fault-free run's samples at any world size."""
+LOSS_RTOL = 1e-3
+"""A loss further than this from the fault-free run's at the same step is flagged in the table."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +239,20 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
             "pauses": pauses(steps, performed),
             "full_world_step_s": full_world_step_s(steps, start["world_size"]),
             "timeline": timeline(steps, t0),
-            "recovery_details": details}
+            "recovery_details": details,
+            "losses": [[m["step"], m["loss"]] for m in history if "loss" in m]}
+
+
+def loss_vs_fault_free(losses: list[list[float]], reference: list[list[float]]) -> dict[str, Any] | None:
+    """The largest relative difference of ``losses`` from the fault-free ``reference`` at the same
+    step (None when no step is in both): {"max_rel_diff", "at_step", "steps_compared"}."""
+    expected = {int(step): loss for step, loss in reference}
+    diffs = [(abs(loss / expected[int(step)] - 1) if math.isfinite(loss) else math.inf, int(step))
+             for step, loss in losses if int(step) in expected and expected[int(step)]]
+    if not diffs:
+        return None
+    worst, at_step = max(diffs)
+    return {"max_rel_diff": worst, "at_step": at_step, "steps_compared": len(diffs)}
 
 
 def timeline(steps: list[dict], t0: float, every_s: float = 1.0) -> list[list[float]]:
@@ -345,6 +368,9 @@ def main() -> None:
         # Training speed between faults, relative to the fault-free run (what saving costs while it runs).
         step_s = result["full_world_step_s"]
         result["speed_between_faults"] = reference["full_world_step_s"] / step_s if step_s else None
+    for name in SAME_SAMPLES_PER_STEP:
+        if name in results:
+            results[name]["loss_vs_fault_free"] = loss_vs_fault_free(results[name]["losses"], reference["losses"])
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(report(args, schedule, results, work if keep else None), indent=2))
@@ -365,12 +391,15 @@ def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, d
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     print(f"{'approach':20s} {'samples':>8s} {'steps':>7s} {'goodput':>8s} {'recoveries':>10s} {'steps lost':>10s} "
-          f"{'median pause s':>14s}")
+          f"{'median pause s':>14s} {'loss vs fault-free':>18s}")
     for name, r in results.items():
         times = sorted(p["pause_s"] for p in r["pauses"] if p["pause_s"] is not None)
         median = f"{statistics.median(times):.1f}" if times else "-"
+        drift = r.get("loss_vs_fault_free")
+        loss = "-" if drift is None else f"{drift['max_rel_diff']:.1e}" + (
+            f" WRONG at {drift['at_step']}" if not drift["max_rel_diff"] <= LOSS_RTOL else "")
         print(f"{name:20s} {r['samples']:8d} {r['steps']:7d} {r['goodput']:8.3f} {r['recoveries']:10d} "
-              f"{r['steps_lost']:10d} {median:>14s}")
+              f"{r['steps_lost']:10d} {median:>14s} {loss:>18s}")
 
 
 if __name__ == "__main__":

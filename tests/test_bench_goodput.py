@@ -19,7 +19,7 @@ from conftest import REPO, worker_env
 from agent.events import read_events
 
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_goodput import Fault, make_schedule, measure
+from bench_goodput import LOSS_RTOL, Fault, loss_vs_fault_free, make_schedule, measure
 from peers_env import PeersUnavailable, peers_python
 from plot_goodput import draw
 from workloads import workload_of
@@ -95,6 +95,21 @@ def test_a_smaller_world_that_goes_on_trains_fewer_samples_a_step():
     assert (result["steps"], result["samples"], result["recoveries"]) == (12, 8 * 48 + 4 * 32, 0)
 
 
+def test_a_loss_that_left_the_fault_free_runs_is_found_at_its_step():
+    reference = [[step, 4.0 - step / 10] for step in range(1, 11)]
+    same = [[step, loss * (1 + 1e-7)] for step, loss in reference[2:]]  # summation order only
+    assert loss_vs_fault_free(same, reference) == {"max_rel_diff": pytest.approx(1e-7), "at_step": 10,
+                                                   "steps_compared": 8}
+    wrong = [*same[:4], [7, 4.96], *same[5:]]  # a wrong shard after a recovery: the loss jumps
+    assert loss_vs_fault_free(wrong, reference)["at_step"] == 7
+    assert loss_vs_fault_free(wrong, reference)["max_rel_diff"] > LOSS_RTOL
+    diverged = [*same, [11, float("nan")]]
+    assert loss_vs_fault_free(diverged, reference)["max_rel_diff"] == pytest.approx(1e-7)  # step 11: no reference
+    assert loss_vs_fault_free([[9, float("nan")]], reference) == {"max_rel_diff": float("inf"), "at_step": 9,
+                                                                 "steps_compared": 1}
+    assert loss_vs_fault_free([[20, 1.0]], reference) is None
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> tuple[dict, Path, str | None]:
     """One short run of the benchmark: fault-free, the memory tier, in-process recovery and, when
@@ -137,6 +152,11 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
     assert memory["pauses"][0]["action"] == "kill" and memory["pauses"][0]["pause_s"] > 0
     # examples/train.py keeps its global batch of 48 at any world size.
     assert memory["samples"] == 48 * memory["steps"]
+    # Every step in the model trained what the fault-free run's did: the same loss, up to summation order.
+    for name in ("torchrevive_memory", "torchrevive_in_process"):
+        drift = report["results"][name]["loss_vs_fault_free"]
+        assert drift["steps_compared"] >= report["results"][name]["steps"] // 2, (name, drift)
+        assert drift["max_rel_diff"] <= LOSS_RTOL, (name, drift)
     events = read_events(work / "torchrevive_memory" / "events.jsonl")
     # Storage snapshots 400 steps apart (a few seconds here): the survivors resume from the newest
     # snapshot, the peers' RAM's unless a storage save committed just before the kill is as new (the

@@ -367,6 +367,15 @@ METADATA_LIES: dict[str, tuple[Callable[[dict], None], str]] = {
                            r"'0/s/dt' has a 'dim_map' that is not a list of lists of mesh dimensions"),
     "no shard on any rank": (lambda m: [manifest(m)[f"{r}/s/dt"].update(shards=[]) for r in (0, 1)],
                              r"'s/dt': a sharded tensor with no stored shard"),
+    # What a rank whose mesh coordinate was stale wrote: the shard of the rank it had been.
+    "a rank's shard over another's": (lambda m: shard_of_rank_1(m, "dt").update(offsets=[3, 0]),
+                                      r"the sharded tensor 's/dt' has rank 0's shard at offsets \[0, 0\] of sizes "
+                                      r"\[5, 6\] and rank 1's shard at offsets \[3, 0\] of sizes \[5, 6\], which overlap"),
+    "a gap between shards": (lambda m: shard_of_rank_1(m, "st").update(offsets=[6, 0]),
+                             r"the sharded tensor 's/st' has chunks holding 60 of its 66 elements \(shape \[11, 6\]\)"),
+    "chunks of a chunked tensor overlapping": (lambda m: big(m)["chunks"][1].update(offsets=big(m)["chunks"][0]["offsets"]),
+                                               r"'0/s/big' has a chunk at offsets \[0, 0\] of sizes \[16, 64\] and a "
+                                               r"chunk at offsets \[0, 0\] of sizes \[16, 64\], which overlap"),
     "chunked tensor without chunks": (lambda m: manifest(m)["0/s/big"].update(chunks=[]),
                                       r"'0/s/big' is a chunked tensor without chunks"),
     "int that is no number": (lambda m: manifest(m)["0/s/step"].update(serialized_value="three"),

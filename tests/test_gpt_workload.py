@@ -84,7 +84,7 @@ def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_pa
     """A node killed (4 -> 3 ranks), then a node joining (3 -> 4), in-process: the survivors re-shard
     the FSDP2 model and AdamW in their own processes each round. Every step's loss (the last run of
     it) is the one a single rank trained without faults gets, with the same schedule and data."""
-    args = argparse.Namespace(nodes=4, nproc_per_node=1, scenario="kill,join", fault_node=3, backend="c10d",
+    args = argparse.Namespace(nodes=4, nproc_per_node=1, scenario="kill,join", fault_node=1, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=3, timeout=240,
                               workload="gpt", gpt_size="tiny", compile="off", in_process=True)
     (tmp_path / "faulty").mkdir()

@@ -9,10 +9,14 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torchsnapshot
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import TCPStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
+import agent
 from agent import regroup
 from agent.elastic_sampler import ElasticSampler
 from agent.errors import RestoreError
@@ -84,6 +88,39 @@ def _a_round_after_a_failed_init(rank: int, world_size: int) -> None:
 
 def test_a_worker_whose_group_failed_to_form_enters_the_next_round_with_its_peers():
     run_ranks(2, _a_round_after_a_failed_init, timeout_s=120)
+
+
+def test_a_rank_that_changed_since_the_last_round_shards_and_saves_as_its_new_rank(tmp_path):
+    run_ranks(2, _a_round_with_ranks_swapped, str(tmp_path), timeout_s=120)
+    restored = nn.Linear(6, 4, bias=False)
+    agent.restore(tmp_path / "snapshot", {"layer": restored})
+    assert torch.equal(restored.weight.detach(), _ROWS)
+
+
+_ROWS = torch.arange(24.0).reshape(4, 6)
+
+
+def _a_round_with_ranks_swapped(rank: int, world_size: int, out: str) -> None:
+    """Two rounds of the same world size whose processes swap ranks (a node lost, another joined):
+    DTensor's caches, keyed by mesh equality, must not give the second round's parameters the
+    first round's mesh, or each process saves its new shard at its old rank's offsets."""
+    next_store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [next_store.port if next_store else None]
+    dist.broadcast_object_list(port, src=0)
+    for round, my_rank in enumerate((rank, world_size - 1 - rank)):
+        if round:
+            store = next_store or TCPStore("127.0.0.1", port[0], world_size, is_master=False)
+            dist.init_process_group("gloo", store=store, rank=my_rank, world_size=world_size)
+        mesh = init_device_mesh("cpu", (world_size,))
+        layer = nn.Linear(6, 4, bias=False)
+        fully_shard(layer, mesh=mesh)
+        with torch.no_grad():
+            layer.weight.to_local().copy_(_ROWS.chunk(world_size)[my_rank])
+        assert layer.weight.device_mesh.get_coordinate() == (my_rank,)
+        if round:
+            torchsnapshot.Snapshot.take(os.path.join(out, "snapshot"), {"layer": layer})
+        else:
+            _leave_process_group("gloo")
 
 
 def _replicated_state(held: int | None, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ElasticSampler]:

@@ -173,7 +173,8 @@ class Checkpointer:
 
         With staging, returns once the state is copied; the snapshot is committed in the
         background as soon as it is durable. Returns False when the save was skipped
-        (``on_busy="skip"`` and the previous one is still being written). A failed save (say, a
+        (``on_busy="skip"`` and the previous one is still being written, or a snapshot of this step
+        is committed already: it is never overwritten). A failed save (say, a
         full disk on any one node) removes its partial snapshot and raises CheckpointError on
         every rank: here without staging, else at the next ``save``, ``maybe_save`` or ``wait``.
         The previous committed snapshot stays the latest.
@@ -186,7 +187,11 @@ class Checkpointer:
         self.wait()
         final = snapshot_dir(self.root, step)
         if is_committed(final):
-            raise CheckpointError(f"{final}: a committed snapshot of step {step} exists; it is never overwritten")
+            # Training went back past it (a restore fell back to an older snapshot): it stays as committed.
+            warnings.warn(f"skipping the save of step {step}: {final} is committed already, and a committed "
+                          "snapshot is never overwritten", stacklevel=2)
+            self.events.record("save_skipped", step=step, committed=str(final))
+            return False
         started = time.perf_counter()
         state_dicts = read_state_dicts(app_state)
         _check_dtypes(final, state_dicts)

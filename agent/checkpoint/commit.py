@@ -5,7 +5,9 @@ the moment that rename is durable.
 Every rank brings only what it wrote (digests computed from its write buffers), so the work is
 proportional to a rank's own bytes: no rank lists the directory, re-reads a file, or opens one
 that another rank wrote. Two collectives on the save's process group: the gather of every rank's
-outcome, and rank 0's verdict. Every rank returns the same verdict.
+outcome, and rank 0's verdict. Every rank returns the same verdict. Before it commits, rank 0
+checks the metadata it wrote (from its write buffer) as a restore will: a snapshot no restore could
+read fails its save, and the previous snapshot stays the latest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from agent.checkpoint.collectives import from_rank0, gather, rank
 from agent.checkpoint.dirs import COMMIT_MARKER, fenced_round
 from agent.checkpoint.durable import fsync_dir, write_file
 from agent.checkpoint.write import WriteRecord
+from agent.restore.manifest import METADATA_FILE, parse_metadata
+from agent.restore.metadata_checks import metadata_problem
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def commit(save: Commit, record: WriteRecord, group: dist.ProcessGroup | None,
     killed after the commit still leaves its record."""
 
     def on_rank0(files: dict[str, Any], world_size: int) -> str | None:
-        error = _commit_on_rank0(save, files, world_size=world_size)
+        error = metadata_refused(save.written, record.metadata) or _commit_on_rank0(save, files, world_size=world_size)
         if error is None:
             on_committed(sum(d.size for d in files.values()))
         return error
@@ -81,6 +85,20 @@ def _commit_on_rank0(save: Commit, files: dict[str, Any], *, world_size: int) ->
     except OSError as exc:  # ENOENT when a newer round's fence moved the directory aside since the check
         return _stale(save) or f"committing {save.written}: {exc}"
     return None
+
+
+def metadata_refused(written: Path, metadata: bytes | None) -> str | None:
+    """Why the metadata rank 0 wrote into ``written`` may not be committed, else None: a snapshot
+    that no restore could read (say, shards whose offsets overlap) fails its save instead of
+    becoming the latest."""
+    where = written / METADATA_FILE
+    if metadata is None:
+        return f"{where}: torchsnapshot wrote no metadata"
+    try:
+        problem = metadata_problem(parse_metadata(metadata.decode()))
+    except Exception as exc:  # the parser, or an entry class, raises whatever it raises
+        problem = f"unreadable ({type(exc).__name__}: {exc})"
+    return None if problem is None else f"{where}: {problem}"
 
 
 def _stale(save: Commit) -> str | None:

@@ -34,6 +34,7 @@ from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from agent.checkpoint.checksums import FileDigest, digest_buffer
 from agent.checkpoint.durable import fsync_dir
+from agent.restore.manifest import METADATA_FILE
 
 PROTOCOL = "torchrevive"
 IO_CONCURRENCY_ENV = "TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"
@@ -63,10 +64,12 @@ def lower_thread_priority(nice: int) -> None:
 
 @dataclass
 class WriteRecord:
-    """What one rank wrote: relative path -> digest, and the first error, if any."""
+    """What one rank wrote: relative path -> digest, the first error, if any, and the snapshot's
+    metadata when this rank wrote it (rank 0), as written."""
 
     files: dict[str, FileDigest] = field(default_factory=dict)
     error: str | None = None
+    metadata: bytes | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, relative: str, digest: FileDigest) -> None:
@@ -106,6 +109,8 @@ class DurableFSPlugin(StoragePlugin):
             os.makedirs(directory, exist_ok=True)
             self._dirs_made.add(directory)
         view = memoryview(buf).cast("B")
+        if relative == METADATA_FILE:
+            self.record.metadata = bytes(view)  # small; the commit checks it without reading it back
         digest = digest_buffer(view)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from agent.checkpoint.checksums import CHECKSUMS_FILE, FileDigest, write_checksums
 from agent.checkpoint.collectives import first_error, own_group, rank
-from agent.checkpoint.commit import agree_and_commit
+from agent.checkpoint.commit import agree_and_commit, metadata_refused
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import lower_thread_priority, write_snapshot
@@ -109,7 +109,8 @@ class MemorySaver:
         """Rank 0: the bytes committed, once its commit is durable."""
 
         def on_rank0(files: dict[str, FileDigest], world_size: int) -> str | None:
-            error = self._commit_on_rank0(path, snapshot, files, world_size=world_size)
+            error = metadata_refused(path, record.metadata) or self._commit_on_rank0(path, snapshot, files,
+                                                                                      world_size=world_size)
             if error is None:
                 committed.append(sum(d.size for d in files.values()))
             return error

@@ -3,7 +3,8 @@
 The metadata is data from storage, damaged or crafted, and everything downstream trusts what
 passes here: the plan's boxes and byte ranges, and the reader's positional reads straight into
 tensor memory. So every field is checked for its type, and every chunk against its tensor (dtype,
-rank, box inside the shape, byte range exactly the chunk's bytes, serializer), before a byte is
+rank, box inside the shape, byte range exactly the chunk's bytes, serializer), and the chunks of
+each tensor against each other (they tile it: no element stored twice or never), before a byte is
 read. A refusal is one RestoreError naming the metadata file and the key, which the
 Checkpointer's fallback catches to restore the previous snapshot.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from torchsnapshot.manifest import (
     SnapshotMetadata,
     TensorEntry,
 )
+from torchsnapshot.manifest_utils import is_fully_replicated_entry
 from torchsnapshot.serialization import BUFFER_PROTOCOL_SUPPORTED_DTYPES, Serializer, string_to_dtype
 
 from agent.errors import RestoreError
@@ -47,16 +50,26 @@ class _Damaged(ValueError):
 
 
 def check_metadata(metadata: SnapshotMetadata, *, named_in: Path) -> None:
-    """Refuse metadata that torchsnapshot cannot have written: a world size that is no number of
-    ranks, a key that names no rank of it, a field of the wrong type, and a tensor whose chunks
-    disagree with it (another dtype or rank, a box outside its shape, a byte range that is not
-    the chunk's bytes, an unknown serializer). A refusal is a RestoreError naming ``named_in`` and
-    the key, so that the caller falls back to another snapshot; no byte was read or copied."""
+    """Refuse metadata that torchsnapshot cannot have written (see :func:`metadata_problem`) with
+    a RestoreError naming ``named_in`` and the key, so that the caller falls back to another
+    snapshot; no byte was read or copied."""
+    problem = metadata_problem(metadata)
+    if problem is not None:
+        raise RestoreError(f"{named_in}: {problem}; the snapshot is damaged or crafted: restore another one")
+
+
+def metadata_problem(metadata: SnapshotMetadata) -> str | None:
+    """What torchsnapshot cannot have written in ``metadata``, naming the key, else None: a world
+    size that is no number of ranks, a key that names no rank of it, a field of the wrong type,
+    a tensor whose chunks disagree with it (another dtype or rank, a box outside its shape, a
+    byte range that is not the chunk's bytes, an unknown serializer), or whose chunks (every
+    rank's distinct boxes for a sharded one) do not tile it: two overlap, or some elements are in
+    none."""
     world_size = metadata.world_size
     if type(world_size) is not int or not 0 < world_size <= MAX_INDEX:
-        raise RestoreError(f"{named_in}: world_size {world_size!r} is not a number of ranks; the snapshot is "
-                           "damaged or crafted: restore another one")
+        return f"world_size {world_size!r} is not a number of ranks"
     sharded: dict[str, tuple[torch.dtype, int]] = {}
+    shards_of: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], _Piece]] = {}
     for key, entry in metadata.manifest.items():
         try:
             logical_path = _logical_path(key, world_size)
@@ -67,9 +80,57 @@ def check_metadata(metadata: SnapshotMetadata, *, named_in: Path) -> None:
                 seen = sharded.setdefault(logical_path, kind)
                 _require(seen == kind, f"has shards of dtype {kind[0]} and {kind[1]} dimensions where another "
                                        f"rank's have {seen[0]} and {seen[1]}")
+                if not is_fully_replicated_entry(entry):  # merged as manifest_for_rank does: each box once
+                    boxes = shards_of.setdefault(logical_path, {})
+                    for shard in entry.shards:
+                        piece = _Piece(f"rank {key.partition('/')[0]}'s shard", tuple(shard.offsets), tuple(shard.sizes))
+                        boxes.setdefault((piece.offsets, piece.sizes), piece)
+            elif isinstance(entry, ChunkedTensorEntry):
+                _check_tiling([_Piece("a chunk", tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks],
+                              tuple(entry.shape))
         except _Damaged as exc:
-            raise RestoreError(f"{named_in}: {key!r} {exc}; the snapshot is damaged or crafted: restore another "
-                               "one") from None
+            return f"{key!r} {exc}"
+    for logical_path, boxes in shards_of.items():
+        pieces = list(boxes.values())
+        extent = tuple(max(p.offsets[d] + p.sizes[d] for p in pieces) for d in range(len(pieces[0].offsets)))
+        try:
+            _check_tiling(pieces, extent)
+        except _Damaged as exc:
+            return f"the sharded tensor '{logical_path}' {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One stored box of a tensor, and whose it is (for the message)."""
+
+    owner: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def overlaps(self, other: _Piece) -> bool:
+        return all(max(a, b) < min(a + n, b + m)
+                   for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+
+
+def _check_tiling(pieces: list[_Piece], shape: tuple[int, ...]) -> None:
+    """The pieces (inside ``shape``, checked already) hold every element of it exactly once. A
+    sweep along dimension 0: a piece is compared only with those whose rows it shares (for shards
+    along dimension 0, the one before it)."""
+    stored = sum(math.prod(p.sizes) for p in pieces)
+    ordered = sorted((p for p in pieces if math.prod(p.sizes)), key=lambda p: p.offsets)
+    if len(shape) > 0:
+        open_pieces: list[_Piece] = []
+        for piece in ordered:
+            open_pieces = [p for p in open_pieces if p.offsets[0] + p.sizes[0] > piece.offsets[0]]
+            for other in open_pieces:
+                if other.overlaps(piece):
+                    raise _Damaged(f"has {other.owner} at offsets {list(other.offsets)} of sizes {list(other.sizes)} "
+                                   f"and {piece.owner} at offsets {list(piece.offsets)} of sizes "
+                                   f"{list(piece.sizes)}, which overlap")
+            open_pieces.append(piece)
+    _require(stored == math.prod(shape), f"has chunks holding {stored} of its {math.prod(shape)} elements "
+                                         f"(shape {list(shape)})")
 
 
 def _require(condition: bool, problem: str) -> None:
