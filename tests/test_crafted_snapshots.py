@@ -30,6 +30,7 @@ from torchsnapshot import knobs
 import agent
 from agent import RestoreError
 from agent.checkpoint import Checkpointer
+from agent.checkpoint.commit import metadata_refused
 from agent.checkpoint.checksums import data_files, digest_files, write_checksums
 from agent.restore.manifest import StoredChunk, StoredTensor, load_metadata, manifest_for_rank
 from agent.restore.plan import Box, plan_copies
@@ -398,6 +399,20 @@ def test_metadata_that_torchsnapshot_cannot_have_written_is_refused(sharded, lie
     with pytest.raises(RestoreError, match=rf"snap/\.snapshot_metadata: .*{refusal}.*restore another one"):
         agent.restore(sharded, state)
     assert dest.untouched()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_commit_refuses_metadata_that_no_restore_could_read(sharded):
+    """Rank 0 checks the metadata it wrote before it commits: shards at the offsets of the ranks
+    their writers had been in an earlier round fail the save instead of becoming the latest."""
+    written = (sharded / ".snapshot_metadata").read_bytes()
+    assert metadata_refused(sharded, written) is None
+    edit_metadata(sharded, lambda m: shard_of_rank_1(m, "dt").update(offsets=[3, 0]))
+    assert metadata_refused(sharded, (sharded / ".snapshot_metadata").read_bytes()) == (
+        f"{sharded / '.snapshot_metadata'}: the sharded tensor 's/dt' has rank 0's shard at offsets [0, 0] of sizes "
+        "[5, 6] and rank 1's shard at offsets [3, 0] of sizes [5, 6], which overlap")
+    assert metadata_refused(sharded, b"{not json") is not None
+    assert metadata_refused(sharded, None) == f"{sharded / '.snapshot_metadata'}: torchsnapshot wrote no metadata"
 
 
 HOSTILE_VALUES = [-1, 0, 1, 2, 7, 1 << 63, 10**30, 1.5, True, None, "", "x", "torch.float64", "torch.qint8",
