@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ commands:
   verify   PATH: check every byte of a snapshot against its checksums (exit 1 at the first bad one)
   list     DIR: the snapshots of a checkpoint directory and their state (committed, uncommitted,
            incomplete, quarantined: found damaged at a restore and set aside, with the reason)
+  report   EVENT_LOG: what happened to a job (rounds, recoveries by phase, saves, what went wrong),
+           from its event log (observability.event_log); --json for the figures
 
 Replace `torchrun` with `torchrevive run` in any launch command.
 """
@@ -140,11 +143,32 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def report_command(argv: Sequence[str]) -> int:
+    """`torchrevive report EVENT_LOG`."""
+    parser = argparse.ArgumentParser(prog="torchrevive report",
+                                     description="What happened to a job, from its event log (finished or running).")
+    parser.add_argument("event_log", type=Path)
+    parser.add_argument("--json", action="store_true", help="the report as JSON")
+    args = parser.parse_args(argv)
+    from agent.events import read_events
+    from agent.report import job_report, render
+
+    try:
+        report = job_report(read_events(args.event_log))
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"torchrevive report: error: {args.event_log}: {why}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else render(report), end="\n" if args.json else "")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "run": run_command,
     "inspect": inspect_command,
     "verify": verify_command,
     "list": list_command,
+    "report": report_command,
 }
 
 

@@ -86,6 +86,8 @@ from agent.recovery_timeline import recovery_after
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 48
 """examples/train.py's samples per step (--global-batch-size), at every world size."""
+CHAOS_STEPS = 300
+"""A chaos soak's steps unless --steps says otherwise: its faults fall between steps 15 and 150."""
 
 
 def per_rank_batch(args: argparse.Namespace) -> int:
@@ -673,7 +675,8 @@ def run_in_network(args: argparse.Namespace, work: Path, stack: contextlib.ExitS
     return run(args, work)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (an inconsistent one exits with argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--nproc-per-node", type=int, default=1)
@@ -710,8 +713,11 @@ def main() -> None:
     parser.add_argument("--chaos", type=int, default=0, metavar="N",
                         help="chaos soak: N random faults into one job of --steps (scripts/chaos.py)")
     parser.add_argument("--seed", type=int, default=0, help="--chaos: the seed of the faults' RNG")
-    parser.add_argument("--steps", type=int, default=1_000_000, help="the job's training steps")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"the job's training steps (default: {CHAOS_STEPS} with --chaos, else 1,000,000)")
+    args = parser.parse_args(argv)
+    if args.steps is None:  # a soak's faults are drawn between 1/20 and 1/2 of its steps
+        args.steps = CHAOS_STEPS if args.chaos else 1_000_000
     scenarios = args.scenario.split(",")
     if {"partition", "slow-link"} & set(scenarios) and not args.netns:
         parser.error("--scenario partition and slow-link need --netns")
@@ -723,6 +729,11 @@ def main() -> None:
         args.fault_node = args.nodes - 1
     if args.backend == "c10d" and args.fault_node == 0:
         parser.error("--fault-node 0 hosts the c10d store: faulting it ends the job's rendezvous (use --backend etcd3)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     args.baseline_endpoint = f"127.0.0.1:{free_port()}"
     work = Path(tempfile.mkdtemp(prefix="torchrevive-cluster-"))
     # SIGTERM unwinds like SIGINT, so that every node is killed and every namespace removed.

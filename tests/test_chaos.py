@@ -17,12 +17,21 @@ from conftest import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
+import local_cluster
 from workloads import width_for
 
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots
 from agent.events import read_events
 
 SEED, STEPS, STATE_MB = 21, 300, 4
+
+
+def test_a_soak_without_steps_gets_a_job_its_faults_fit_in():
+    """Without --steps, a soak's faults (drawn between 1/20 and 1/2 of its steps) fall in the first
+    few minutes, not at step 500,000 of the default endless job."""
+    assert local_cluster.parse_args(["--chaos", "5", "--seed", "3"]).steps == local_cluster.CHAOS_STEPS == 300
+    assert local_cluster.parse_args(["--chaos", "5", "--steps", "4000"]).steps == 4000
+    assert local_cluster.parse_args([]).steps == 1_000_000
 
 
 def test_a_short_chaos_soak_keeps_every_invariant(tmp_path):
