@@ -1,8 +1,11 @@
 """Warms the page cache with a node's share of a snapshot while its workers start.
 
 The share is what the node's ranks will read: their per-rank entries (a rank new to the job takes
-rank 0's), the replicated tensors, and of each sharded tensor the rows its ranks own under an even
-split of dimension 0 (FSDP2's ``Shard(0)``; other layouts simply warm a little more or less).
+rank 0's), the replicated tensors, and of each sharded tensor stored in slabs of rows the rows its
+ranks own under an even split of dimension 0 (FSDP2's ``Shard(0)``), of any other every chunk. The
+memory tier's fetch pulls the files this names; a target laid out otherwise than the rows guessed
+(a ``Shard(1)`` restored from a snapshot written as ``Shard(0)``) can lack a file, and its restore
+then falls back to storage.
 Reading goes through one small buffer per thread, so the agent's memory stays bounded whatever
 the snapshot's size; the kernel's page cache holds the result.
 """
@@ -23,6 +26,7 @@ from agent.errors import RestoreError
 from agent.restore.manifest import (
     TENSOR_ENTRY_TYPES,
     StoredChunk,
+    StoredTensor,
     load_metadata,
     manifest_for_rank,
     stored_tensor,
@@ -57,7 +61,7 @@ def _wanted(snapshot: Path, ranks: Iterable[int], world_size: int) -> list[ByteR
                 except RestoreError:
                     continue  # no shard stored: nothing to read
                 sharded = isinstance(entry, (DTensorEntry, ShardedTensorEntry)) and not is_fully_replicated_entry(entry)
-                rows = _even_rows(stored.shape, rank, world_size) if sharded else None
+                rows = _even_rows(stored.shape, rank, world_size) if sharded and _row_slabs(stored) else None
                 wanted.extend(_chunk_range(chunk, rows) for chunk in stored.chunks)
     return [r for r in wanted if r is not None]
 
@@ -84,6 +88,11 @@ def prefetch(snapshot: Path, ranges: list[ByteRange], *, threads: int = 4,
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchrevive-prefetch") as pool:
         return sum(pool.map(read, pieces))
+
+
+def _row_slabs(stored: StoredTensor) -> bool:
+    """Whether every chunk spans the whole tensor but in dimension 0."""
+    return all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == stored.shape[1:] for c in stored.chunks)
 
 
 def _even_rows(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int] | None:

@@ -16,6 +16,8 @@ workers, and comes back --rejoin-after-s seconds later. Approaches (--approaches
   torchrevive_storage  torchrevive, storage snapshots only
   torchrevive_in_process  torchrevive with elastic.in_process: survivors keep their processes and
                        heal from the newest step a live rank holds; a rejoined node heals from a peer
+  torchrevive_in_process_memory  both: in-process, and sharded state (FSDP2) restored from the
+                       memory tier's snapshot in the peers' RAM (every --memory-interval steps)
   torchrun_classic     plain torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
                        examples/classic_train.py: rank 0 torch.load + broadcast
   torchft              torchft 0.2.0: one replica group per node, a Lighthouse on node 0's side;
@@ -89,7 +91,8 @@ from agent.events import read_events
 MAX_RESTARTS = 1000
 """torchrun's worker-failure restarts for every approach: more than any schedule's kills."""
 STEP_EVENTS = ("first_step_done", "step")
-SAME_SAMPLES_PER_STEP = ("torchrevive_memory", "torchrevive_storage", "torchrevive_in_process")
+SAME_SAMPLES_PER_STEP = ("torchrevive_memory", "torchrevive_storage", "torchrevive_in_process",
+                         "torchrevive_in_process_memory")
 """The approaches whose steps train the fault-free run's samples at any world size."""
 LOSS_RTOL = 1e-3
 """A loss further than this from the fault-free run's at the same step is flagged in the table."""
@@ -134,6 +137,11 @@ def torchrevive_in_process_nodes(args: argparse.Namespace, work: Path, marks: Pa
     return torchrevive_nodes(args, work, marks, in_process=True)
 
 
+def torchrevive_in_process_memory_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
+    """In-process, with the memory tier: sharded state heals from the peers' RAM."""
+    return torchrevive_nodes(args, work, marks, memory_interval=args.memory_interval, in_process=True)
+
+
 def classic_nodes(args: argparse.Namespace, work: Path, marks: Path) -> Nodes:
     """Plain torchrun agents with the classic restore."""
     return ClassicCluster(args, work, f"127.0.0.1:{free_port()}", marks=marks, unshared_store=True,
@@ -155,6 +163,7 @@ APPROACHES: dict[str, Approach] = {
     "torchrevive_memory": Approach(torchrevive_memory_nodes),
     "torchrevive_storage": Approach(torchrevive_nodes),
     "torchrevive_in_process": Approach(torchrevive_in_process_nodes),
+    "torchrevive_in_process_memory": Approach(torchrevive_in_process_memory_nodes),
     "torchrun_classic": Approach(classic_nodes),
     "torchft": Approach(torchft_nodes),
     "nvrx": Approach(nvrx_nodes),

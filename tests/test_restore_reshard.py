@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import agent
 from agent import RestoreError
 from agent.checkpoint import Checkpointer
+from agent.prefetch import files_read
 from agent.restore.manifest import load_metadata, manifest_for_rank, stored_tensor
 
 
@@ -110,6 +112,57 @@ def test_fsdp2_and_dtensor_state_reshards(tmp_path, written, restored):
     path = str(tmp_path / "snapshot")
     run_ranks(written, write, path)
     run_ranks(restored, restore_and_check, path)
+
+
+def write_fsdp2(rank: int, world_size: int, path: str) -> None:
+    model, optim = build(seed=0)
+    model(torch.randn(4, 10)).square().mean().backward()
+    optim.step()
+    torchsnapshot.Snapshot.take(path, {"model": model, "optim": optim})
+    reference = {"model": full_state(model.state_dict()), "optim": full_state(optim.state_dict()["state"])}
+    if rank == 0:  # gathered on every rank (a collective), kept by one
+        torch.save(reference, Path(path).parent / "reference.pt")
+
+
+def files_it_reads(rank: int, world_size: int, path: str) -> tuple[Path, list[Path]]:
+    """As a node of the memory tier holds it: a copy of the snapshot with only the files its ranks
+    read (what ``agent.prefetch.files_read`` names, pulled from peers); the copy and what it lacks."""
+    own = Path(path).parent / f"node{rank}"
+    shutil.copytree(path, own)
+    read = files_read(own, [rank], world_size)
+    absent = [f for f in own.rglob("*") if f.is_file() and not f.name.startswith(".")
+              and str(f.relative_to(own)) not in read]
+    for file in absent:
+        file.unlink()
+    return own, absent
+
+
+def restore_from_the_files_it_reads(rank: int, world_size: int, path: str) -> None:
+    own, absent = files_it_reads(rank, world_size, path)
+    assert any(f.parent.name == "batched" for f in absent), "no other rank's shards left out"
+    model, optim = build(seed=1)
+    agent.restore(own, {"model": model, "optim": optim})
+    reference = torch.load(Path(path).parent / "reference.pt", weights_only=True)
+    got = {"model": full_state(model.state_dict()), "optim": full_state(optim.state_dict()["state"])}
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
+
+
+def test_a_rank_restores_with_only_the_files_it_reads(tmp_path):
+    path = str(tmp_path / "snapshot")
+    run_ranks(4, write_fsdp2, path, timeout_s=120)
+    run_ranks(2, restore_from_the_files_it_reads, path, timeout_s=120)
+
+
+def restore_and_check_from_the_files_it_reads(rank: int, world_size: int, path: str) -> None:
+    restore_and_check(rank, world_size, str(files_it_reads(rank, world_size, path)[0]))
+
+
+def test_a_layout_other_than_rows_is_read_whole(tmp_path):
+    """A 2-D (Shard(0), Shard(1)) tensor restored as Shard(1): a node's share of it is every chunk,
+    not the rows an even split of dimension 0 would give it."""
+    path = str(tmp_path / "snapshot")
+    run_ranks(4, write, path, timeout_s=120)
+    run_ranks(3, restore_and_check_from_the_files_it_reads, path, timeout_s=120)
 
 
 def replicated_model(seed: int) -> nn.Module:

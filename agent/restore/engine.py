@@ -30,7 +30,7 @@ from agent.restore.manifest import (
     stored_tensor,
 )
 from agent.restore.pickles import load_object
-from agent.restore.plan import CopyOp, CoverageError, plan_copies, stripe
+from agent.restore.plan import Box, CopyOp, CoverageError, chunk_box, plan_copies, stripe
 from agent.restore.reader import (
     DEFAULT_PINNED_MB,
     SnapshotFiles,
@@ -274,7 +274,6 @@ def _plan_stateful(
             except RestoreError as exc:
                 raise RestoreError(f"{files.path(METADATA_FILE)}: '{logical_path}': {exc}; the snapshot is damaged or "
                                    "crafted: restore another one") from None
-            stored = _with_checked_files(logical_path, stored, files)
             value = flattened.get(logical_path)
             if not is_tensor_value(value) or _replaced(obj, value, stored):
                 value = _allocated(logical_path, stored, template_for(logical_path, templates), files)
@@ -338,6 +337,8 @@ def _plan_tensor(
         mine = stripe(stored.shape, rank, world_size)
         boxes, local_tensors = (mine,), (dest.value[mine.offsets[0] : mine.offsets[0] + mine.sizes[0]],)
         plan.striped.append(dest.value)
+    # Only the files this rank reads must be here: a node restoring a memory snapshot pulled those.
+    stored = _with_checked_files(logical_path, _overlapping(stored, boxes), files)
     try:
         ops = plan_copies(stored, boxes, max_op_bytes=MAX_OP_BYTES)
     except CoverageError as exc:
@@ -358,6 +359,12 @@ def _allocated(logical_path: str, stored: StoredTensor, template: torch.Tensor |
     except RuntimeError as exc:  # the stored shape is checked against the files' bytes, not against memory
         raise RestoreError(f"{files.path(METADATA_FILE)}: '{logical_path}' of shape {list(stored.shape)} cannot be "
                            f"allocated ({exc})") from exc
+
+
+def _overlapping(stored: StoredTensor, boxes: tuple[Box, ...]) -> StoredTensor:
+    """``stored`` with only the chunks that overlap one of ``boxes``."""
+    chunks = tuple(c for c in stored.chunks if any(box.intersect(chunk_box(c)) is not None for box in boxes))
+    return StoredTensor(stored.shape, stored.dtype, chunks, stored.replicated)
 
 
 def _with_checked_files(logical_path: str, stored: StoredTensor, files: SnapshotFiles) -> StoredTensor:
