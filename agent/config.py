@@ -21,6 +21,17 @@ from typing import Any, Literal, NewType, Union
 
 import yaml
 
+from agent.timeouts import (
+    DEFAULT_JOIN_WAIT_S,
+    DEFAULT_PROCESS_GROUP_TIMEOUT_S,
+    TORCH_KEEP_ALIVE_MAX_ATTEMPT,
+    TORCH_RENDEZVOUS_DEFAULTS_S,
+    RecoveryTimeouts,
+    default_lease_ttl_s,
+    derived_join_wait_s,
+    derived_process_group_timeout_s,
+)
+
 Seconds = NewType("Seconds", float)
 """A duration in seconds. YAML and overrides accept a number or a string with a unit:
 ``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``."""
@@ -170,15 +181,19 @@ class ElasticSection:
     micro_batch_size: int | None = None
     stop_grace: Seconds = Seconds(3.0)
     """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
-    join_wait: Seconds = Seconds(30.0)
+    join_wait: Seconds = Seconds(DEFAULT_JOIN_WAIT_S)
     """A joining node is admitted at the next committed snapshot (memory or storage) when the
     snapshots so far say one is due within this long: training goes on meanwhile, and the restart
-    then loses only the steps trained while the workers stop. 0: admitted at once."""
+    then loses only the steps trained while the workers stop. 0: admitted at once. Unset: 30 s, or
+    half of what rendezvous.conf.join_timeout leaves after the last call, if that is less."""
     in_process: bool = False
     """Survivors of a membership change keep their processes: their workers leave the round and
     re-form in the next one (a training script written with ``agent.run_resilient``); a node
     whose workers do not all leave within ``in_process_deadline`` restarts them."""
     in_process_deadline: Seconds = Seconds(5.0)
+    process_group_timeout: Seconds = Seconds(DEFAULT_PROCESS_GROUP_TIMEOUT_S)
+    """The timeout of the workers' process groups (``WorkerContext.process_group_timeout``; used by
+    ``agent.run_resilient``). Unset: 600 s, or twice hung-node detection + stop_grace if longer."""
 
 
 @dataclass(kw_only=True)
@@ -307,6 +322,8 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
             set_value(config, key, value, source=f"{source}: {key}")
             if sources is not None:
                 sources[key] = f"{source}: {key}"
+                if key == "rendezvous.conf":
+                    sources.update({f"{key}.{option}": f"{source}: {key}.{option}" for option in value})
     return config
 
 
@@ -392,6 +409,52 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
         fail("elastic.global_batch_size", "set both elastic.global_batch_size and elastic.micro_batch_size, or neither")
     if elastic.global_batch_size is not None and elastic.global_batch_size % elastic.micro_batch_size:
         fail("elastic.global_batch_size", f"{elastic.global_batch_size} is not a multiple of elastic.micro_batch_size {elastic.micro_batch_size}")
+    _resolve_timeouts(config, sources, fail)
+
+
+def recovery_timeouts(config: JobConfig) -> RecoveryTimeouts:
+    """The timeouts that bound this job's recoveries, torch's defaults where the job sets none."""
+    conf = config.rendezvous.conf
+
+    def seconds(key: str) -> float:
+        return parse_seconds(conf[key]) if key in conf else TORCH_RENDEZVOUS_DEFAULTS_S[key]
+
+    interval = seconds("keep_alive_interval")
+    attempts = int(conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT))
+    lease_ttl = None
+    if config.rendezvous.backend in ("etcd3", "etcd-v3"):
+        lease_ttl = parse_seconds(conf["lease_ttl"]) if "lease_ttl" in conf else default_lease_ttl_s(interval, attempts)
+    low, high = config.min_max_nodes
+    return RecoveryTimeouts(
+        keep_alive_interval=interval, keep_alive_max_attempt=attempts, heartbeat_timeout=seconds("heartbeat_timeout"),
+        join_timeout=seconds("join_timeout"), last_call_timeout=seconds("last_call_timeout"),
+        join_wait=config.elastic.join_wait, stop_grace=config.elastic.stop_grace,
+        in_process_deadline=config.elastic.in_process_deadline,
+        process_group_timeout=config.elastic.process_group_timeout, lease_ttl=lease_ttl, grows=low < high)
+
+
+def _resolve_timeouts(config: JobConfig, sources: dict[str, str], fail: Any) -> None:
+    """Derive the timeouts the job left unset from those it set, then check their order: a rule
+    broken by torchrun's own rendezvous keys from the command line is a warning (torchrun runs
+    such a job as given); any other stops the launch."""
+    try:
+        attempts = int(config.rendezvous.conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT))
+    except (TypeError, ValueError):
+        fail("rendezvous.conf.keep_alive_max_attempt", "must be a whole number of heartbeats, e.g. 3")
+    if attempts < 1:
+        fail("rendezvous.conf.keep_alive_max_attempt", f"{attempts} must be >= 1 (torch's default: 3)")
+    timeouts = recovery_timeouts(config)
+    if "elastic.join_wait" not in sources:
+        config.elastic.join_wait = Seconds(derived_join_wait_s(timeouts.join_timeout, timeouts.last_call_timeout))
+    if "elastic.process_group_timeout" not in sources:
+        config.elastic.process_group_timeout = Seconds(
+            derived_process_group_timeout_s(timeouts.detection_s, config.elastic.stop_grace))
+    for rule in recovery_timeouts(config).rule_breaks():
+        if all(key.removeprefix("rendezvous.conf.") in _DYNAMIC_RDZV_KEYS
+               and sources.get(key, "--").startswith(("--", "environment ")) for key in rule.keys):
+            warnings.warn(f"{sources.get(rule.keys[0], f'default {rule.keys[0]}')}: {rule.problem}", stacklevel=3)
+        else:
+            fail(rule.keys[0], rule.problem)
 
 
 def _validate_rendezvous(config: JobConfig, sources: dict[str, str], fail: Any) -> None:

@@ -166,6 +166,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.MEMORY_BUDDY: self._memory_buddy,
             worker.COMMIT_NOTICE: str(self._commit_notice),
             worker.REGROUP_DIR: str(self._regroup_dir or ""),
+            worker.PROCESS_GROUP_TIMEOUT: f"{job.elastic.process_group_timeout:g}",
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:

@@ -117,7 +117,8 @@ class Round:
 def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
                   timeout: datetime.timedelta | None = None) -> T:
     """Run ``train`` once per round until it returns, re-forming the default process group (of
-    ``backend``: NCCL on CUDA, else gloo) in-process when the agent runs rounds so."""
+    ``backend``: NCCL on CUDA, else gloo; with ``timeout``, by default the job's
+    ``elastic.process_group_timeout``) in-process when the agent runs rounds so."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     directory = os.environ.get(REGROUP_DIR) or None
     number, held, previous_state = 0, None, None
@@ -133,7 +134,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
             if directory is not None and _asked_to_leave(directory, context.round):
                 leave.set()  # asked before the group formed (a join during the start): nothing to join
                 raise RoundEnded(f"round {context.round} ended before its group formed")
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout or context.process_group_timeout)
             return train(round)
         except Exception as exc:
             if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):

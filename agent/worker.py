@@ -6,6 +6,7 @@ below; :meth:`WorkerContext.from_env` reads both into one typed object.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ COMMIT_NOTICE = "TORCHREVIVE_COMMIT_NOTICE"
 REGROUP_DIR = "TORCHREVIVE_REGROUP_DIR"
 """Where the agent and its workers re-form rounds in-process (:mod:`agent.regroup`); unset unless
 ``elastic.in_process``."""
+PROCESS_GROUP_TIMEOUT = "TORCHREVIVE_PROCESS_GROUP_TIMEOUT"
+"""Seconds a collective may wait for a silent peer (``elastic.process_group_timeout``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +38,10 @@ class WorkerContext:
     ``memory_dir`` is the node's memory directory when the memory tier is on, ``memory_buddy``
     the ``host:port`` of the agent that holds this node's replicas ("" with a single node).
     ``commit_notice`` is the file where the node's local rank 0 tells its agent of each commit
-    (:mod:`agent.commit_notice`), None outside torchrevive's agent.
+    (:mod:`agent.commit_notice`), None outside torchrevive's agent. ``process_group_timeout`` is
+    the timeout to give the process groups (``init_process_group(timeout=...)``), derived with the
+    other recovery timeouts (:mod:`agent.timeouts`); None outside torchrevive's agent (torch's
+    default).
     """
 
     rank: int
@@ -55,6 +61,7 @@ class WorkerContext:
     memory_dir: str | None = None
     memory_buddy: str = ""
     commit_notice: str | None = None
+    process_group_timeout: datetime.timedelta | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -92,4 +99,13 @@ class WorkerContext:
             memory_dir=optional(MEMORY_DIR),
             memory_buddy=env.get(MEMORY_BUDDY, ""),
             commit_notice=optional(COMMIT_NOTICE),
+            process_group_timeout=_seconds(env, PROCESS_GROUP_TIMEOUT),
         )
+
+
+def _seconds(env: Mapping[str, str], name: str) -> datetime.timedelta | None:
+    raw = env.get(name, "")
+    try:
+        return datetime.timedelta(seconds=float(raw)) if raw else None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number of seconds; the launcher sets it") from None

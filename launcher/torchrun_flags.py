@@ -125,10 +125,7 @@ def parse_run_args(argv: Sequence[str]) -> RunRequest:
             source = f"environment {env_name}"
         else:
             continue
-        _apply_flag(config, dest, key, getattr(args, dest), source)
-        sources[key] = source
-        if dest == "rdzv_conf":  # each key's own source: an unknown key from a flag is only a warning
-            sources.update({f"{key}.{name}": source for name in torch_private.parse_rendezvous_config(args.rdzv_conf)})
+        _apply_flag(config, dest, key, getattr(args, dest), source, sources)
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         set_value(config, key, value, source=f"--set {assignment}")
@@ -162,7 +159,10 @@ def torchrun_namespace(config: JobConfig, script: str, script_args: Sequence[str
     return ns
 
 
-def _apply_flag(config: JobConfig, dest: str, key: str, value: Any, source: str) -> None:
+def _apply_flag(config: JobConfig, dest: str, key: str, value: Any, source: str, sources: dict[str, str]) -> None:
+    """Set the key of one torchrun flag and record where it came from (for --rdzv-conf, each of its
+    keys: an unknown key from a flag is only a warning)."""
+    sources[key] = source
     if dest == "rdzv_conf":
         try:
             parsed = torch_private.parse_rendezvous_config(value)
@@ -174,6 +174,7 @@ def _apply_flag(config: JobConfig, dest: str, key: str, value: Any, source: str)
                           stacklevel=2)
         # Flag keys win over YAML keys one by one, so a flag can change one timeout.
         value = {**config.rendezvous.conf, **parsed}
+        sources.update({f"{key}.{name}": source for name in parsed})
     elif dest == "nproc_per_node" and isinstance(value, str) and value.isdigit():
         value = int(value)
     set_value(config, key, value, source=source)

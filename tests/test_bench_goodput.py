@@ -137,7 +137,10 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
     for name, result in report["results"].items():
         assert isinstance(result["samples"], int) and result["samples"] > 0, (name, result)
         assert 0 < result["steps"] <= result["samples"] and result["peer_config"], (name, result)
-        assert 0 < result["goodput"] <= 1.5 and result["steps_lost"] >= 0, (name, result)
+        # Samples kept against the fault-free run's; above 1 is possible here: on 2 cores, 2 survivors
+        # step faster than 3 nodes do.
+        assert result["goodput"] == pytest.approx(result["samples"] / report["results"]["fault_free"]["samples"])
+        assert result["goodput"] > 0 and result["steps_lost"] >= 0, (name, result)
         assert result["full_world_step_s"] > 0, (name, result)
     assert report["results"]["fault_free"]["goodput"] == 1.0
     assert (report["workload"], report["params"]) == ("mlp", workload_of(argparse.Namespace(state_mb=4)).params)

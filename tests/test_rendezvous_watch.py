@@ -369,3 +369,20 @@ def test_the_watch_reports_a_round_moved_on_before_it_started(store, make_node):
         watch.pause()
         assert rendezvous([first, third]) == [3, 3] and moved.result().world_size == 3
     watch.close()
+
+
+def test_a_stalled_node_drops_its_silent_peers_but_never_itself(store, make_node):
+    """A stall of the whole machine (a paused VM) lapses every heartbeat, this node's own included:
+    its next sync drops its peers, which its agent cannot tell from dead, but keeps itself."""
+    nodes = [make_node(max_nodes=2) for _ in range(2)]
+    handlers = [h for h, _ in nodes]
+    assert rendezvous(handlers) == [2, 2]
+    for handler in handlers:
+        handler._stop_heartbeats()
+    time.sleep(2.5)  # past keep_alive_interval 1 s x keep_alive_max_attempt 2
+    stalled, peer = handlers
+    stalled._state_holder.mark_dirty()
+    stalled._state_holder.sync()
+    participants = stalled._state_holder.state.participants
+    assert stalled._this_node in participants and peer._this_node not in participants
+    assert stalled._this_node in stored_state(store).participants  # written back so

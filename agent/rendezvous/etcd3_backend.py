@@ -49,6 +49,7 @@ from agent import torch_private
 from agent.rendezvous import etcd3_client
 from agent.rendezvous.checked_backend import CheckedBackend
 from agent.rendezvous.etcd3_members import MAX_DELETES, Etcd3MembersBackend
+from agent.timeouts import default_lease_ttl_s, etcd_outage_grace_s
 
 if TYPE_CHECKING:
     from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 NAMES = ("etcd3", "etcd-v3")
 DEFAULT_PREFIX = "/torchrevive/rendezvous"
-DEFAULT_LEASE_TTL_S = 60
 DEFAULT_PORT = 2379
 HEARTBEAT_LAYOUTS = ("keys", "state")
 PASSWORD_ENV = "TORCHREVIVE_ETCD_PASSWORD"
@@ -355,7 +355,9 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     layout = heartbeat_layout(params)
     connection = etcd3_client.Etcd3Connection(options_from(params))
     prefix = str(params.get("key_prefix", DEFAULT_PREFIX)).rstrip("/")
-    lease = Etcd3Lease(connection, params.get_as_int("lease_ttl", DEFAULT_LEASE_TTL_S) or DEFAULT_LEASE_TTL_S)
+    lease_ttl = params.get_as_int("lease_ttl") or default_lease_ttl_s(params.get_as_int("keep_alive_interval", 5) or 5,
+                                                                     params.get_as_int("keep_alive_max_attempt", 3) or 3)
+    lease = Etcd3Lease(connection, lease_ttl)
     backend: Etcd3RendezvousBackend | Etcd3MembersBackend
     if layout == "keys":
         backend = Etcd3MembersBackend(connection, params.run_id, prefix=prefix, lease=lease,
@@ -399,7 +401,7 @@ def _tolerate_outages(handler: DynamicRendezvousHandler, connection: Etcd3Connec
     and the client's largest retry delay, before torch's clean-up runs again.
     """
     settings = handler.settings
-    grace = (settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)).total_seconds() + etcd3_client.MAX_RETRY_DELAY_S
+    grace = etcd_outage_grace_s(settings.keep_alive_interval.total_seconds(), settings.keep_alive_max_attempt)
 
     def after_grace(holder: Any, cleanup: Callable[[], None]) -> Callable[[], None]:
         def cleanup_after_grace() -> None:

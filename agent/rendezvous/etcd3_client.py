@@ -17,11 +17,11 @@ from typing import Any, Literal, TypeVar
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from agent.timeouts import MAX_RETRY_DELAY_S
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_RETRY_DELAY_S = 2.0
-"""The longest wait between two retries of an unreachable cluster."""
 _PROTOBUF_IMPLEMENTATION = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 _STALE_TOKEN_DETAILS = ("invalid auth token", "revision of auth store is old")
 """etcd's answers to a token it no longer knows (it restarted, or its auth store changed)."""

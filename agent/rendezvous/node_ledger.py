@@ -52,6 +52,7 @@ class NodeLedger:
         also drops the declared-dead nodes from the state."""
         settings = handler.settings
         ledger = cls((settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds())
+        own = torch_private.this_node(handler)
 
         def record_around(holder: Any, cleanup: Callable[[], None]) -> Callable[[], None]:
             def cleanup_and_record() -> None:
@@ -61,8 +62,16 @@ class NodeLedger:
                     if ledger.declared_dead(str(node)):
                         state.last_heartbeats[node] = _LONG_AGO
                         ledger._unwritten = True
+                # This agent runs: a stall of its whole machine (a paused VM) lapses its own heartbeat
+                # too, but a node is dead only by its peers' account (left to the clean-up, a job of
+                # one node would drop itself and restart). Hidden from it, kept as it is (stale, so
+                # that the next keep-alive writes a new one).
+                mine = {node: beat for node, beat in state.last_heartbeats.items() if str(node) == own}
+                for node in mine:
+                    del state.last_heartbeats[node]
                 torch_private.forget_dropped_nodes(holder)
                 cleanup()
+                state.last_heartbeats.update(mine)
                 ledger._record_dropped([str(node) for node in torch_private.nodes_dropped_by_cleanup(holder)])
 
             return cleanup_and_record
