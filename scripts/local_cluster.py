@@ -487,7 +487,7 @@ def etcd_leader(cluster: Cluster, args: argparse.Namespace, fault: int) -> dict:
 def store_host_outcome(cluster: Cluster, args: argparse.Namespace, fault_at: float) -> dict:
     """After node 0 (the c10d store host) is killed: whether the job recovered within
     --store-host-wait-s, else when each surviving agent exited and how. Under c10d the store dies
-    with its host (see the README); under etcd3 the job recovers as from any node's loss."""
+    with its host (docs/reference.md#fault-injection); under etcd3 the job recovers as from any node's loss."""
     timeline, exited = None, {}
     deadline = time.time() + args.store_host_wait_s
     while time.time() < deadline and timeline is None and len(exited) < len(cluster.nodes):

@@ -237,7 +237,7 @@ def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
 
 
 def test_every_port_of_a_job_listens_on_the_configured_address_only(tmp_path, rdzv_endpoint):
-    # README's Security list: the agent's c10d store, torch's shared store, the workers' store,
+    # docs/security.md's list of listeners: the agent's c10d store, torch's shared store, the workers' store,
     # metrics and health check, the liveness listener; each worker's gloo listener. All on 127.0.0.1 here,
     # none on *.
     metrics, health = free_port(), free_port()

@@ -96,7 +96,7 @@ def load_metadata(snapshot: Path) -> SnapshotMetadata:
 
 def parse_metadata(text: str) -> SnapshotMetadata:
     """The metadata in ``text``. torchsnapshot writes it as JSON and reads it back with a YAML
-    parser (JSON is YAML), which takes ~50x longer (the README's **Restore** has the figures), paid
+    parser (JSON is YAML), which takes ~50x longer (docs/measurements.md#restore has the figures), paid
     by every rank at every restore. JSON is read as JSON here; other text (a snapshot an older
     torchsnapshot wrote as YAML) by torchsnapshot."""
     try:
