@@ -191,6 +191,12 @@ class ElasticSection:
     re-form in the next one (a training script written with ``agent.run_resilient``); a node
     whose workers do not all leave within ``in_process_deadline`` restarts them."""
     in_process_deadline: Seconds = Seconds(5.0)
+    rehearse_joins: bool = True
+    """With in_process: a node joining a running job starts its workers before it asks to join;
+    they run the script's warm-up (``agent.run_resilient(warmup=...)``: build, shard, compile) in a
+    round of this node alone while the job trains, and are handed their first round in-process."""
+    rehearsal_deadline: Seconds = Seconds(300.0)
+    """How long a rehearsal may take; beyond it the node joins with workers started anew."""
     process_group_timeout: Seconds = Seconds(DEFAULT_PROCESS_GROUP_TIMEOUT_S)
     """The timeout of the workers' process groups (``WorkerContext.process_group_timeout``; used by
     ``agent.run_resilient``). Unset: 600 s, or twice hung-node detection + stop_grace if longer."""
@@ -400,8 +406,9 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
             fail(path, f"port {port} is outside 0..65535")
     if config.launch.shutdown_timeout is not None and config.launch.shutdown_timeout < 0:
         fail("launch.shutdown_timeout", "must be >= 0 seconds")
-    if config.elastic.in_process_deadline <= 0:
-        fail("elastic.in_process_deadline", "must be > 0 seconds")
+    for path in ("elastic.in_process_deadline", "elastic.rehearsal_deadline"):
+        if config.get(path) <= 0:
+            fail(path, "must be > 0 seconds")
     if config.elastic.join_wait < 0:
         fail("elastic.join_wait", "must be >= 0 seconds (0: a joining node is admitted at once)")
     elastic = config.elastic

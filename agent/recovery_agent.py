@@ -51,7 +51,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
 )
 
-from agent import health, regroup, torch_private, worker
+from agent import health, regroup, rehearsal, torch_private, worker
 from agent.commit_notice import read_notice
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError, StaleRoundError
@@ -132,6 +132,7 @@ class RecoveryAgent(LocalElasticAgent):
             self._regroup_dir.mkdir()
         self._regroup_pending = False
         """The workers left the round alive: the next round is handed to them, not started anew."""
+        self._rehearsal_store: dist.TCPStore | None = None
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -509,6 +510,7 @@ class RecoveryAgent(LocalElasticAgent):
                     and self._pcontext.wait(0) is None:
                 started = time.monotonic()
                 pids = self._hand_over_round(worker_group)
+                self._rehearsal_store = None
                 self.events.record("workers_started", seconds=time.monotonic() - started,
                                    ranks=[w.global_rank for w in worker_group.workers], start="in_process")
                 self._prev_world_size = worker_group.workers[0].world_size
@@ -520,6 +522,18 @@ class RecoveryAgent(LocalElasticAgent):
             self.events.record("standby", nodes_used=self._nodes_used)
             return {}
         started = time.monotonic()
+        pids, spawn_reason = self._spawn_workers(worker_group, self.worker_environment())
+        self.events.record("workers_started", seconds=time.monotonic() - started,
+                           ranks=[w.global_rank for w in worker_group.workers],
+                           start="spawn" if spawn_reason else "warm", spawn_reason=spawn_reason or None)
+        self._prev_world_size = worker_group.workers[0].world_size
+        if self._restore_from and self._job.restore.prefetch and self._restore_source == "storage":
+            self._start_prefetch(worker_group)
+        return pids
+
+    def _spawn_workers(self, worker_group: WorkerGroup, environment: dict[str, str]) -> tuple[dict[int, Any], str]:
+        """torch's start of the group's workers (forked from the warm process where it can be),
+        with ``environment`` added to each; their pids, and why they were spawned ("": forked)."""
         handlers: list[WarmSubprocessHandler] = []
 
         def handler(**kwargs: Any) -> SpawnedSubprocessHandler:
@@ -532,21 +546,46 @@ class RecoveryAgent(LocalElasticAgent):
             reap_orphans(keep={self._warm.pid})
         # The round's variables go into each worker's own environment: setting them in the
         # agent's (setenv) is unsafe while its threads (gRPC's, the stores') may read it.
-        with torch_private.worker_environment_added(self.worker_environment()), \
-                torch_private.subprocess_handlers(handler):
+        with torch_private.worker_environment_added(environment), torch_private.subprocess_handlers(handler):
             pids = super()._start_workers(worker_group)
-        spawn_reason = self._spawn_reason(handlers)
-        self.events.record("workers_started", seconds=time.monotonic() - started,
-                           ranks=[w.global_rank for w in worker_group.workers],
-                           start="spawn" if spawn_reason else "warm", spawn_reason=spawn_reason or None)
         if self._warm is not None and ((self._warm.problem and not self._warm.refused)
                                        or any(h.environment_changed for h in handlers)):
             self._warm.close()  # gone, or made for another environment: a new one for the next round
             self._warm = self._start_warm_process()
-        self._prev_world_size = worker_group.workers[0].world_size
-        if self._restore_from and self._job.restore.prefetch and self._restore_source == "storage":
-            self._start_prefetch(worker_group)
-        return pids
+        return pids, self._spawn_reason(handlers)
+
+    def _rehearse_join(self) -> None:
+        """Before a node joins a running job with in-process rounds, its workers rehearse
+        (:mod:`agent.rehearsal`): the round with this node is then handed to them in-process.
+        A rehearsal that fails stops them: the node joins as without one."""
+        group, directory = self._worker_group, self._regroup_dir
+        if directory is None or not self._job.elastic.rehearse_joins or not rehearsal.joins_a_running_job(
+                group.spec.rdzv_handler):
+            return
+        started = time.monotonic()
+        # The rehearsal's store lives until the round's hand-over: workers leave their group after
+        # they said they left.
+        self._rehearsal_store = group.store = tcp_store_on(node_host(self._job))
+        rehearsal.rehearsal_workers(group, self._nproc_per_node, node_host(self._job), group.store.port)
+        try:
+            accum = grad_accum_steps(self._job, self._nproc_per_node)
+        except ConfigError:  # no whole number at a world of this node alone: the warm-up's batch may differ
+            accum = 1
+        environment = {**self.worker_environment(), worker.ROUND: str(worker.REHEARSAL_ROUND), worker.CHECKPOINT_DIR: "",
+                       worker.RESTORE_FROM: "", worker.MEMORY_DIR: "", worker.MEMORY_BUDDY: "",
+                       worker.PREV_WORLD_SIZE: "", worker.GRAD_ACCUM_STEPS: str(accum)}
+        try:
+            _, spawn_reason = self._spawn_workers(group, environment)
+            assert self._pcontext is not None, "torch's start sets the workers' context"
+            problem = rehearsal.wait_rehearsed(directory, [w.local_rank for w in group.workers], self._pcontext,
+                                               self._job.elastic.rehearsal_deadline)
+        finally:
+            group.workers = []
+        self._regroup_pending = not problem
+        if problem:
+            self._stop_workers(group)
+        self.events.record("rehearsal_done", seconds=time.monotonic() - started, problem=problem or None,
+                           start="spawn" if spawn_reason else "warm")
 
     def _start_warm_process(self) -> WarmProcess | None:
         """Become the workers' subreaper and start a warm process; None where workers cannot be
@@ -626,6 +665,8 @@ class RecoveryAgent(LocalElasticAgent):
                 # job trains on meanwhile instead of waiting for its imports after the round.
                 # (In a later round the job waits for this node anyway: it joins at once.)
                 self._warm.wait_ready()
+            if not rendezvoused:
+                self._rehearse_join()
             info = next_rendezvous()
             rendezvoused = True
             if self._executor is not None:

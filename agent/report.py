@@ -95,21 +95,10 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"job: from {begun:%Y-%m-%d %H:%M:%S} UTC for {report['seconds']:.1f} s, {len(report['rounds'])} "
              f"rounds, {sum(r['completed'] for r in recoveries)} recoveries"]
     lines.append("rounds:")
-    for r in report["rounds"]:
-        change = "".join(f", {what} {', '.join(r[what])}" for what in ("lost", "joined") if r[what])
-        lines.append(f"  {r['at_s']:8.1f} s  round {r['round']}: world size {r['world_size']} on {r['nodes']} nodes"
-                     f"{change}; restores {r['restore_from'] or 'nothing'}")
+    lines += [round_line(r) for r in report["rounds"]]
     if recoveries:
         lines.append("recoveries (failure -> every rank's first step):")
-    for r in recoveries:
-        if not r["completed"]:
-            lines.append(f"  {r['at_s']:8.1f} s  {r['cause']}: not completed when the log ends")
-            continue
-        phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in r["phases"].items())
-        restored = (f"; restored step {r['restored_step']} ({r['restore_source']})" if r["restored_step"] is not None
-                    else "")
-        lines.append(f"  {r['at_s']:8.1f} s  {r['cause']}: {r['world_size_before']} -> {r['world_size_after']} ranks "
-                     f"in {r['recovery_s']:.2f} s ({r['path']}): {phases}{restored}")
+    lines += [recovery_line(r) for r in recoveries]
     saves = report["saves"]
     if saves["committed"]:
         low, high = saves["seconds_range"]
@@ -121,3 +110,22 @@ def render(report: dict[str, Any]) -> str:
     for p in report["problems"]:
         lines.append(f"{p['event']} x{p['count']}" + (f", first {p['first'][:300]}" if p["first"] else ""))
     return "\n".join(lines) + "\n"
+
+
+def round_line(r: dict[str, Any]) -> str:
+    """One round of :func:`job_report` as a line of text: when, its world, who changed, what it restores."""
+    change = "".join(f", {what} {', '.join(r[what])}" for what in ("lost", "joined") if r[what])
+    return (f"  {r['at_s']:8.1f} s  round {r['round']}: world size {r['world_size']} on {r['nodes']} nodes"
+            f"{change}; restores {r['restore_from'] or 'nothing'}")
+
+
+def recovery_line(recovery: dict[str, Any]) -> str:
+    """One recovery of :func:`job_report` as a line of text: when, why, the world sizes, each phase."""
+    r = recovery
+    if not r["completed"]:
+        return f"  {r['at_s']:8.1f} s  {r['cause']}: not completed when the log ends"
+    phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in r["phases"].items())
+    restored = (f"; restored step {r['restored_step']} ({r['restore_source']})" if r["restored_step"] is not None
+                else "")
+    return (f"  {r['at_s']:8.1f} s  {r['cause']}: {r['world_size_before']} -> {r['world_size_after']} ranks "
+            f"in {r['recovery_s']:.2f} s ({r['path']}): {phases}{restored}")

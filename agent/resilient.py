@@ -48,7 +48,7 @@ import torch.distributed as dist
 from agent import regroup, torch_private
 from agent.events import EventLog
 from agent.round_sockets import cut_connections_since, open_sockets
-from agent.worker import REGROUP_DIR, WorkerContext
+from agent.worker import REGROUP_DIR, REHEARSAL_ROUND, WorkerContext
 
 T = TypeVar("T")
 
@@ -76,6 +76,7 @@ class Round:
         self._previous_state = previous_state
         self._leave = leave
         self._healed = False
+        self._graphs_at_start = torch_private.graphs_compiled()
 
     @property
     def leave_requested(self) -> bool:
@@ -108,23 +109,33 @@ class Round:
         round to end. The first call after a heal records ``first_step_done``."""
         if self._healed:
             self._healed = False
-            self.events.record("first_step_done", step=step, restored_from=None, path="in_process")
+            self.events.record("first_step_done", step=step, restored_from=None, path="in_process",
+                               compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_start)
         self.held_step = step
         if self._leave.is_set():
             raise RoundEnded(f"round {self.context.round} ended by the agent")
 
 
 def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
-                  timeout: datetime.timedelta | None = None) -> T:
+                  timeout: datetime.timedelta | None = None, warmup: Callable[[Round], None] | None = None) -> T:
     """Run ``train`` once per round until it returns, re-forming the default process group (of
     ``backend``: NCCL on CUDA, else gloo; with ``timeout``, by default the job's
-    ``elastic.process_group_timeout``) in-process when the agent runs rounds so."""
+    ``elastic.process_group_timeout``) in-process when the agent runs rounds so.
+
+    ``warmup`` runs when this process starts ahead of its node's first round (a node joining a
+    running job rehearses, :mod:`agent.rehearsal`), with the default group formed by the node's own
+    workers alone: build, shard and compile the model and run a step on synthetic data, touching
+    no snapshot and no data position. Its compiled code serves the rounds that follow, so the job
+    does not wait for this node's compile."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     directory = os.environ.get(REGROUP_DIR) or None
     number, held, previous_state = 0, None, None
     while True:
         before = open_sockets()
         context = WorkerContext.from_env()
+        if context.rehearsal and directory is not None:
+            _rehearse(context, warmup, backend, timeout, directory)
+            continue
         leave = threading.Event()
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
         # Watching from before the group forms: a peer lost meanwhile leaves this worker waiting
@@ -153,6 +164,22 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         _leave_process_group(backend)
         os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
         number += 1
+
+
+def _rehearse(context: WorkerContext, warmup: Callable[[Round], None] | None, backend: str,
+              timeout: datetime.timedelta | None, directory: str) -> None:
+    """A joining node's rehearsal: the warm-up in a group of this node's workers, then leave it
+    and wait for the first round of the job."""
+    if warmup is not None:
+        before = open_sockets()
+        dist.init_process_group(backend, timeout=timeout or context.process_group_timeout)
+        warmup(Round(context, 0, None, EventLog.for_worker(context), threading.Event()))
+        gc.collect()
+        cut_connections_since(before)
+        _leave_process_group(backend)
+    regroup.post_left(directory, context.local_rank,
+                      regroup.Left(round=REHEARSAL_ROUND, reason="rehearsed", step=None, pid=os.getpid()))
+    os.environ.update(_wait_for_handover(directory, context.local_rank, REHEARSAL_ROUND))
 
 
 class _LeaveWatcher:

@@ -293,3 +293,13 @@ def forget_device_meshes() -> None:
     _clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def graphs_compiled() -> int:
+    """How many graphs torch.compile (dynamo) has compiled in this process (its own counter; 0
+    while torch._dynamo is not imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

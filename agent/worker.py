@@ -24,6 +24,9 @@ COMMIT_NOTICE = "TORCHREVIVE_COMMIT_NOTICE"
 REGROUP_DIR = "TORCHREVIVE_REGROUP_DIR"
 """Where the agent and its workers re-form rounds in-process (:mod:`agent.regroup`); unset unless
 ``elastic.in_process``."""
+REHEARSAL_ROUND = -1
+"""``TORCHREVIVE_ROUND`` of a joining node's rehearsal (:mod:`agent.rehearsal`): a round of the node's
+own workers alone, before it joins, for the script's warm-up."""
 PROCESS_GROUP_TIMEOUT = "TORCHREVIVE_PROCESS_GROUP_TIMEOUT"
 """Seconds a collective may wait for a silent peer (``elastic.process_group_timeout``)."""
 
@@ -62,6 +65,11 @@ class WorkerContext:
     memory_buddy: str = ""
     commit_notice: str | None = None
     process_group_timeout: datetime.timedelta | None = None
+
+    @property
+    def rehearsal(self) -> bool:
+        """Whether this is a joining node's rehearsal (:data:`REHEARSAL_ROUND`), not a round of the job."""
+        return self.round == REHEARSAL_ROUND
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:

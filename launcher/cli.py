@@ -10,8 +10,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from agent.config import ConfigError
+from agent.config import ConfigError, recovery_timeouts
 from agent.errors import TorchreviveError
+from agent.timeouts import describe as describe_timeouts
+from launcher.status_command import status_command
 from launcher.torchrun_flags import parse_run_args
 
 USAGE = """usage: torchrevive COMMAND [ARGS...]
@@ -24,7 +26,11 @@ commands:
   list     DIR: the snapshots of a checkpoint directory and their state (committed, uncommitted,
            incomplete, quarantined: found damaged at a restore and set aside, with the reason)
   report   EVENT_LOG: what happened to a job (rounds, recoveries by phase, saves, what went wrong),
-           from its event log (observability.event_log); --json for the figures
+           from its event log (observability.event_log); --json for the figures, --plot out.svg for
+           its timeline as a picture
+  status   a running job now, from its rendezvous: round, members, waiting and spare nodes, each
+           tier's newest snapshot, last recoveries; --config job.yaml or run's --rdzv-* flags,
+           --watch SECONDS, --json
 
 Replace `torchrun` with `torchrevive run` in any launch command.
 """
@@ -40,6 +46,7 @@ def run_command(argv: Sequence[str]) -> int:
         return 2
     if request.print_config:
         print(request.config.to_yaml(), end="")
+        print(describe_timeouts(recovery_timeouts(request.config)), end="")
         return 0
     # Imported here so that --help and --print-config stay fast.
     from launcher.launch import launch
@@ -149,16 +156,25 @@ def report_command(argv: Sequence[str]) -> int:
                                      description="What happened to a job, from its event log (finished or running).")
     parser.add_argument("event_log", type=Path)
     parser.add_argument("--json", action="store_true", help="the report as JSON")
+    parser.add_argument("--plot", type=Path, metavar="OUT.svg", help="also draw the job's timeline as an SVG")
     args = parser.parse_args(argv)
     from agent.events import read_events
     from agent.report import job_report, render
+    from agent.report_plot import draw_timeline
 
     try:
-        report = job_report(read_events(args.event_log))
+        events = read_events(args.event_log)
+        report = job_report(events)
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"torchrevive report: error: {args.event_log}: {why}", file=sys.stderr)
         return 1
+    if args.plot is not None:
+        try:
+            args.plot.write_text(draw_timeline(events))
+        except OSError as exc:
+            print(f"torchrevive report: error: {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     print(json.dumps(report, indent=2) if args.json else render(report), end="\n" if args.json else "")
     return 0
 
@@ -169,6 +185,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "verify": verify_command,
     "list": list_command,
     "report": report_command,
+    "status": status_command,
 }
 
 

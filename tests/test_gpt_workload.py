@@ -43,6 +43,26 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
     assert workload_of(args).params == 86208
 
 
+def test_a_joining_node_compiles_in_its_rehearsal_and_the_job_waits_for_no_compile(tmp_path):
+    """In-process, a node joining the running job starts its worker first: the worker builds,
+    shards and compiles the model in a round of its own (the script's warm-up) while the job
+    trains, then is handed the job's round. Nobody in that round compiles anything."""
+    args = argparse.Namespace(nodes=2, nproc_per_node=1, scenario="join", fault_node=1, backend="c10d",
+                              rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
+                              workload="gpt", gpt_size="tiny", compile="on", in_process=True)
+    [join] = local_cluster.run_scenarios(args, tmp_path)
+    assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 2, "in_process"), join
+    events = read_events(tmp_path / "events.jsonl")
+    [rehearsal] = [e for e in events if e["event"] == "rehearsal_done"]
+    assert rehearsal["problem"] is None and rehearsal["seconds"] > 0, rehearsal
+    firsts = [e for e in events if e["event"] == "first_step_done" and e["time"] > rehearsal["time"]]
+    assert sorted(e["rank"] for e in firsts) == [0, 1], firsts
+    assert all(e["compiled_graphs"] == 0 for e in firsts), firsts
+    cold = [e for e in events if e["event"] == "first_step_done" and e["time"] < rehearsal["time"]]
+    assert cold and all(e["compiled_graphs"] > 0 for e in cold), cold  # the counter counts: a cold start compiles
+    assert join["recompiles"] == 0, join
+
+
 def train(tmp_path, name: str, steps: int, nproc: int, *extra: str) -> list[dict]:
     """Run examples/gpt/train.py (tiny, compile off) under `torchrevive run --standalone` with
     snapshots every 2 steps in ``tmp_path/name``; the marks of this run."""

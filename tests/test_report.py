@@ -9,12 +9,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from conftest import REPO
 
 from agent.events import read_events
 from agent.report import job_report, render
+from agent.report_plot import ROW_SPAN, draw_timeline
 
 LOG = Path(__file__).parent / "data" / "events_gpt_in_process_mesh_defect.jsonl"
 
@@ -58,3 +60,42 @@ def test_the_command_prints_the_report_or_its_json(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "launcher.cli", "report", str(tmp_path / "none.jsonl")], cwd=REPO,
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "none.jsonl" in missing.stderr
+
+
+def test_the_plot_draws_each_round_failure_recovery_and_save(tmp_path):
+    svg = tmp_path / "timeline.svg"
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "report", str(LOG), "--plot", str(svg)], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    report = job_report(read_events(LOG))
+    assert done.stdout == render(report)  # the text report still comes, the picture beside it
+    root = ElementTree.parse(svg).getroot()  # well-formed XML, self-contained SVG
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+
+    def drawn(kind: str) -> list[ElementTree.Element]:
+        return [e for e in root.iter() if e.get("class") == kind]
+
+    assert [e.get("data-round") for e in drawn("round")] == [str(r["round"]) for r in report["rounds"]]
+    assert len(drawn("failure")) == len(report["recoveries"]) == 7
+    assert [e.get("data-tier") for e in drawn("save")] == ["storage"] * report["saves"]["committed"]
+    assert len(drawn("save")) == 9  # this job's memory tier was off
+    events = read_events(LOG)
+    memory_save = {**next(e for e in events if e["event"] == "save_committed"), "event": "memory_save_committed"}
+    with_memory = ElementTree.fromstring(draw_timeline([*events, memory_save]))
+    assert [e.get("data-tier") for e in with_memory.iter() if e.get("class") == "save"].count("memory") == 1
+    # Each recovery twice: on the job's timeline, and alone to a scale of its own.
+    causes = [r["cause"] for r in report["recoveries"]]
+    assert [g.get("data-cause") for g in drawn("recovery")] == causes * 2
+    first = drawn("recovery")[len(causes)]
+    phases = [p for p in first.iter() if p.get("class") == "phase"]
+    assert [p.get("data-phase") for p in phases] == list(report["recoveries"][0]["phases"])
+    assert "node_lost: 4 -> 3 ranks in 4.72 s (in_process)" in first.find("{http://www.w3.org/2000/svg}title").text
+    widths = [float(p.get("width")) for p in phases]
+    longest = max(r["recovery_s"] for r in report["recoveries"] if r["completed"])
+    assert sum(widths) == pytest.approx(ROW_SPAN * report["recoveries"][0]["recovery_s"] / longest, abs=3)
+    unfinished = drawn("recovery")[-1]
+    assert not [p for p in unfinished.iter() if p.get("class") == "phase"]  # not completed: no phases to draw
+
+    failed = subprocess.run([sys.executable, "-m", "launcher.cli", "report", str(LOG), "--plot",
+                             str(tmp_path / "none" / "t.svg")], cwd=REPO, capture_output=True, text=True)
+    assert failed.returncode == 1 and failed.stderr.startswith("torchrevive report: error: ")
+    assert "none/t.svg" in failed.stderr

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchsnapshot.flatten import flatten
 from torchsnapshot.serialization import ALL_SUPPORTED_DTYPES
 
+from agent import torch_private
 from agent.checkpoint import compat
 from agent.checkpoint.collectives import barrier, first_error, own_group, rank
 from agent.checkpoint.commit import Commit, commit
@@ -136,6 +137,7 @@ class Checkpointer:
         self._in_flight: _InFlight | None = None
         self._restored_from: Path | None = None
         self._first_step_pending = False
+        self._graphs_at_restore = 0
 
     @classmethod
     def from_env(cls) -> Checkpointer:
@@ -211,11 +213,12 @@ class Checkpointer:
     def maybe_save(self, step: int, app_state: Mapping[str, Any]) -> bool:
         """Save when ``step`` is a multiple of ``interval_steps``; True when it did. The first call
         after ``restore`` (whether or not a snapshot existed) records the ``first_step_done``
-        event: training is back."""
+        event: training is back (with the graphs torch.compile compiled in this process since)."""
         if self._first_step_pending:
             self._first_step_pending = False
             self.events.record("first_step_done", step=step,
-                               restored_from=str(self._restored_from) if self._restored_from else None)
+                               restored_from=str(self._restored_from) if self._restored_from else None,
+                               compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_restore)
         if step % self.interval_steps == 0:
             return self.save(step, app_state)
         if self.memory is not None and step % self.memory.interval_steps == 0:
@@ -252,6 +255,7 @@ class Checkpointer:
         """
         self.wait()
         self._first_step_pending = True
+        self._graphs_at_restore = torch_private.graphs_compiled()
         chosen = WorkerContext.from_env().restore_from
         if chosen and self.memory is not None and Path(chosen).is_relative_to(self.memory.root):
             # The agent pulls the files this node lacks from its peers while the workers start.

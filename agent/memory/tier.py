@@ -59,6 +59,13 @@ from agent.memory.peer_files import (
 from agent.memory.run_dir import RunDir
 
 _PREFIX = "torchrevive/memory"
+
+
+def inventory_key(round: int, group_rank: int) -> str:
+    """Where the node of ``group_rank`` publishes its memory inventory when ``round`` forms."""
+    return f"{_PREFIX}/{round}/inventory/{group_rank}"
+
+
 PEER_LIST_TIMEOUT_S = 1.0
 """How long a pull ahead waits for a peer's answer: a frozen peer is skipped after it."""
 
@@ -139,7 +146,7 @@ class MemoryTier:
     def _inventory(self, round: int, group_rank: int) -> tuple[str, str]:
         """This node's inventory key for ``round`` and its value, within the store's limit (a
         warning names the snapshots left out when it does not fit)."""
-        key = f"{_PREFIX}/{round}/inventory/{group_rank}"
+        key = inventory_key(round, group_rank)
         encoded, left_out = fit_inventory(inventory(self.root, self.run_id))
         if left_out:
             warnings.warn(f"{key}: this node's memory inventory is over {INVENTORY_MAX_BYTES} bytes even compressed; "
@@ -168,7 +175,7 @@ class MemoryTier:
         store = job_store(store)
         held = {}
         for g in range(active_nodes):
-            key = f"{_PREFIX}/{round}/inventory/{g}"
+            key = inventory_key(round, g)
             try:
                 held[g] = of_run(decode_inventory(store.get(key), source=key), self.run_id)
             except ValueError as exc:

@@ -269,7 +269,20 @@ def main() -> None:
         if ckpt:
             ckpt.wait()
 
-    agent.run_resilient(train)
+    def warmup(round: agent.Round) -> None:
+        # A joining node's rehearsal (its workers alone, before it joins): the model built, sharded
+        # and compiled for one step of the real step's shape, so that the job does not wait for
+        # this node's compile. Synthetic tokens; nothing is kept.
+        ctx = round.context
+        if ctx.world_size % args.tp or args.global_batch_size % (ctx.world_size // args.tp * ctx.grad_accum_steps):
+            return  # this node alone cannot hold the job's layout: it compiles in its first round
+        dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
+        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device)
+        micro = args.global_batch_size // (dp_mesh.size() * ctx.grad_accum_steps)
+        tokens = torch.zeros((micro, args.seq_len), dtype=torch.long, device=device)
+        model(tokens).float().mean().backward()
+
+    agent.run_resilient(train, warmup=warmup)
 
 
 if __name__ == "__main__":
