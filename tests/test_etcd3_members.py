@@ -1,6 +1,7 @@
-"""The etcd3 backend's heartbeat keys against a real etcd: keep-alives refresh leases and put
-nothing, a node that leaves by itself is not taken for a lapsed one, the layout option is checked;
-and the stored round is read back as data (a pickle of anything else is refused, not run)."""
+"""The etcd3 backend's heartbeat keys against a real etcd of each tested version: keep-alives
+refresh leases and put nothing, a node that leaves by itself is not taken for a lapsed one, the
+layout option is checked; and the stored round is read back as data (a pickle of anything else is
+refused, not run)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import time
 from datetime import datetime, timezone
 
 import pytest
-from etcd_server import EtcdServer, etcd_available
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
@@ -21,8 +21,6 @@ from agent.rendezvous import round_state
 from agent.rendezvous.etcd3_backend import create_etcd3_handler, heartbeat_layout
 
 import bench_control_plane  # noqa: E402  (scripts/ is on the path through conftest)
-
-needs_etcd = pytest.mark.skipif(not etcd_available(), reason="no etcd binary (apt-get install etcd-server)")
 
 
 def params(endpoint: str, **conf) -> RendezvousParameters:
@@ -35,35 +33,33 @@ def round_revision(handler) -> int:
     return handler._state_holder._backend.get_state()[1]
 
 
-@needs_etcd
-def test_keep_alives_put_nothing_and_a_leaving_node_is_not_lapsed(tmp_path):
-    with EtcdServer(tmp_path / "etcd") as etcd:
-        first, second = (create_etcd3_handler(params(etcd.endpoint, heartbeats="keys")) for _ in range(2))
-        joined = [threading.Thread(target=h.next_rendezvous) for h in (first, second)]
-        for thread in joined:
-            thread.start()
-        for thread in joined:
-            thread.join(timeout=60)
-        revision = round_revision(first)
-        before = bench_control_plane.etcd_metrics(etcd.endpoint)
-        time.sleep(3.5)  # three keep-alives of each node, and one heartbeat timeout
-        after = bench_control_plane.etcd_metrics(etcd.endpoint)
-        assert round_revision(first) == revision == round_revision(second)
-        assert after["etcd_mvcc_put_total"] == before["etcd_mvcc_put_total"]
-        assert after["etcd_mvcc_txn_total"] == before["etcd_mvcc_txn_total"]
-        assert after["grpc_server_msg_received_total"] - before["grpc_server_msg_received_total"] >= 4
-        # Both nodes are still there (their leases were kept alive) and each sees the other's heartbeat.
-        state = pickle.loads(first._state_holder._backend.get_state()[0])
-        assert len(state.participants) == 2 and len(state.last_heartbeats) == 2
-        # The second node rejoins by itself: it leaves the round (its key deleted with the round's write).
-        threading.Thread(target=second.next_rendezvous, daemon=True).start()
-        deadline = time.monotonic() + 10
-        while round_revision(first) == revision and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert round_revision(first) != revision
-        assert first._state_holder._backend.lapsed() == {}
-        for handler in (first, second):
-            handler._stop_heartbeats()
+def test_keep_alives_put_nothing_and_a_leaving_node_is_not_lapsed(etcd):
+    first, second = (create_etcd3_handler(params(etcd.endpoint, heartbeats="keys")) for _ in range(2))
+    joined = [threading.Thread(target=h.next_rendezvous) for h in (first, second)]
+    for thread in joined:
+        thread.start()
+    for thread in joined:
+        thread.join(timeout=60)
+    revision = round_revision(first)
+    before = bench_control_plane.etcd_metrics(etcd.endpoint)
+    time.sleep(3.5)  # three keep-alives of each node, and one heartbeat timeout
+    after = bench_control_plane.etcd_metrics(etcd.endpoint)
+    assert round_revision(first) == revision == round_revision(second)
+    assert after["etcd_mvcc_put_total"] == before["etcd_mvcc_put_total"]
+    assert after["etcd_mvcc_txn_total"] == before["etcd_mvcc_txn_total"]
+    assert after["grpc_server_msg_received_total"] - before["grpc_server_msg_received_total"] >= 4
+    # Both nodes are still there (their leases were kept alive) and each sees the other's heartbeat.
+    state = pickle.loads(first._state_holder._backend.get_state()[0])
+    assert len(state.participants) == 2 and len(state.last_heartbeats) == 2
+    # The second node rejoins by itself: it leaves the round (its key deleted with the round's write).
+    threading.Thread(target=second.next_rendezvous, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while round_revision(first) == revision and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert round_revision(first) != revision
+    assert first._state_holder._backend.lapsed() == {}
+    for handler in (first, second):
+        handler._stop_heartbeats()
 
 
 def test_the_heartbeat_layout_option_is_checked():
