@@ -419,8 +419,16 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
     _resolve_timeouts(config, sources, fail)
 
 
-def recovery_timeouts(config: JobConfig) -> RecoveryTimeouts:
-    """The timeouts that bound this job's recoveries, torch's defaults where the job sets none."""
+TIMED_BACKENDS = frozenset({"static", "c10d", "etcd-v2", "etcd3", "etcd-v3"})
+"""The backends torch's dynamic rendezvous runs (static: a job of one node, on a local c10d store):
+those the rendezvous timeouts below apply to."""
+
+
+def recovery_timeouts(config: JobConfig) -> RecoveryTimeouts | None:
+    """The timeouts that bound this job's recoveries, torch's defaults where the job sets none; None
+    for a backend that is not torch's dynamic rendezvous (torch's etcd v1, a custom one)."""
+    if config.rendezvous.backend not in TIMED_BACKENDS:
+        return None
     conf = config.rendezvous.conf
 
     def seconds(key: str) -> float:
@@ -445,23 +453,30 @@ def _resolve_timeouts(config: JobConfig, sources: dict[str, str], fail: Any) -> 
     broken by torchrun's own rendezvous keys from the command line is a warning (torchrun runs
     such a job as given); any other stops the launch."""
     try:
-        attempts = int(config.rendezvous.conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT))
+        int(config.rendezvous.conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT))
     except (TypeError, ValueError):
         fail("rendezvous.conf.keep_alive_max_attempt", "must be a whole number of heartbeats, e.g. 3")
-    if attempts < 1:
-        fail("rendezvous.conf.keep_alive_max_attempt", f"{attempts} must be >= 1 (torch's default: 3)")
     timeouts = recovery_timeouts(config)
+    if timeouts is None:
+        return
     if "elastic.join_wait" not in sources:
         config.elastic.join_wait = Seconds(derived_join_wait_s(timeouts.join_timeout, timeouts.last_call_timeout))
     if "elastic.process_group_timeout" not in sources:
         config.elastic.process_group_timeout = Seconds(
             derived_process_group_timeout_s(timeouts.detection_s, config.elastic.stop_grace))
     for rule in recovery_timeouts(config).rule_breaks():
-        if all(key.removeprefix("rendezvous.conf.") in _DYNAMIC_RDZV_KEYS
-               and sources.get(key, "--").startswith(("--", "environment ")) for key in rule.keys):
+        if all(_torchruns_own(key, sources) for key in rule.keys):
             warnings.warn(f"{sources.get(rule.keys[0], f'default {rule.keys[0]}')}: {rule.problem}", stacklevel=3)
         else:
             fail(rule.keys[0], rule.problem)
+
+
+def _torchruns_own(key: str, sources: dict[str, str]) -> bool:
+    """Whether ``key`` is one of torch's rendezvous keys, left at torch's default or given as
+    torchrun takes it (its command line or a PET_* variable; not our --set)."""
+    source = sources.get(key)
+    return key.removeprefix("rendezvous.conf.") in _DYNAMIC_RDZV_KEYS and (
+        source is None or (source.startswith(("--", "environment ")) and not source.startswith("--set ")))
 
 
 def _validate_rendezvous(config: JobConfig, sources: dict[str, str], fail: Any) -> None:

@@ -132,7 +132,6 @@ class RecoveryAgent(LocalElasticAgent):
             self._regroup_dir.mkdir()
         self._regroup_pending = False
         """The workers left the round alive: the next round is handed to them, not started anew."""
-        self._rehearsal_store: dist.TCPStore | None = None
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -167,7 +166,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.MEMORY_BUDDY: self._memory_buddy,
             worker.COMMIT_NOTICE: str(self._commit_notice),
             worker.REGROUP_DIR: str(self._regroup_dir or ""),
-            worker.PROCESS_GROUP_TIMEOUT: f"{job.elastic.process_group_timeout:g}",
+            worker.PROCESS_GROUP_TIMEOUT: repr(float(job.elastic.process_group_timeout)),
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -510,10 +509,10 @@ class RecoveryAgent(LocalElasticAgent):
                     and self._pcontext.wait(0) is None:
                 started = time.monotonic()
                 pids = self._hand_over_round(worker_group)
-                self._rehearsal_store = None
                 self.events.record("workers_started", seconds=time.monotonic() - started,
                                    ranks=[w.global_rank for w in worker_group.workers], start="in_process")
                 self._prev_world_size = worker_group.workers[0].world_size
+                self._prefetch_restore(worker_group)
                 return pids
             self.events.record("in_process_fallback", reason="this node stands by in the new round"
                                if self._standby else "a worker process ended while the round re-formed")
@@ -527,9 +526,14 @@ class RecoveryAgent(LocalElasticAgent):
                            ranks=[w.global_rank for w in worker_group.workers],
                            start="spawn" if spawn_reason else "warm", spawn_reason=spawn_reason or None)
         self._prev_world_size = worker_group.workers[0].world_size
+        self._prefetch_restore(worker_group)
+        return pids
+
+    def _prefetch_restore(self, worker_group: WorkerGroup) -> None:
+        """Read this node's share of the storage snapshot the round restores into the page cache
+        while its workers get ready (``restore.prefetch``)."""
         if self._restore_from and self._job.restore.prefetch and self._restore_source == "storage":
             self._start_prefetch(worker_group)
-        return pids
 
     def _spawn_workers(self, worker_group: WorkerGroup, environment: dict[str, str]) -> tuple[dict[int, Any], str]:
         """torch's start of the group's workers (forked from the warm process where it can be),
@@ -557,30 +561,34 @@ class RecoveryAgent(LocalElasticAgent):
     def _rehearse_join(self) -> None:
         """Before a node joins a running job with in-process rounds, its workers rehearse
         (:mod:`agent.rehearsal`): the round with this node is then handed to them in-process.
-        A rehearsal that fails stops them: the node joins as without one."""
+        A rehearsal that fails, or cannot run, stops them: the node joins as without one."""
         group, directory = self._worker_group, self._regroup_dir
-        if directory is None or not self._job.elastic.rehearse_joins or not rehearsal.joins_a_running_job(
-                group.spec.rdzv_handler):
+        handler = group.spec.rdzv_handler
+        # Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) worker rank 0 would host one.
+        if directory is None or not self._job.elastic.rehearse_joins or not handler.use_agent_store \
+                or not rehearsal.joins_a_running_job(handler):
             return
-        started = time.monotonic()
-        # The rehearsal's store lives until the round's hand-over: workers leave their group after
-        # they said they left.
-        self._rehearsal_store = group.store = tcp_store_on(node_host(self._job))
-        rehearsal.rehearsal_workers(group, self._nproc_per_node, node_host(self._job), group.store.port)
+        started, spawn_reason = time.monotonic(), ""
         try:
-            accum = grad_accum_steps(self._job, self._nproc_per_node)
-        except ConfigError:  # no whole number at a world of this node alone: the warm-up's batch may differ
-            accum = 1
-        environment = {**self.worker_environment(), worker.ROUND: str(worker.REHEARSAL_ROUND), worker.CHECKPOINT_DIR: "",
-                       worker.RESTORE_FROM: "", worker.MEMORY_DIR: "", worker.MEMORY_BUDDY: "",
-                       worker.PREV_WORLD_SIZE: "", worker.GRAD_ACCUM_STEPS: str(accum)}
-        try:
+            # The rehearsal's store serves this node's workers alone; they have left their group
+            # once they said they left it, and it goes with this call.
+            store = group.store = tcp_store_on(rehearsal.LOOPBACK)
+            rehearsal.rehearsal_workers(group, self._nproc_per_node, rehearsal.LOOPBACK, store.port)
+            try:
+                accum = grad_accum_steps(self._job, self._nproc_per_node)
+            except ConfigError:  # no whole number at a world of this node alone: the warm-up's batch may differ
+                accum = 1
+            environment = {**self.worker_environment(), worker.ROUND: str(worker.REHEARSAL_ROUND),
+                           worker.CHECKPOINT_DIR: "", worker.RESTORE_FROM: "", worker.MEMORY_DIR: "",
+                           worker.MEMORY_BUDDY: "", worker.PREV_WORLD_SIZE: "", worker.GRAD_ACCUM_STEPS: str(accum)}
             _, spawn_reason = self._spawn_workers(group, environment)
             assert self._pcontext is not None, "torch's start sets the workers' context"
             problem = rehearsal.wait_rehearsed(directory, [w.local_rank for w in group.workers], self._pcontext,
                                                self._job.elastic.rehearsal_deadline)
+        except Exception as exc:  # noqa: BLE001 - a rehearsal only saves time: the node joins without one
+            problem = f"the rehearsal could not run: {exc}"
         finally:
-            group.workers = []
+            group.workers, group.store = [], None
         self._regroup_pending = not problem
         if problem:
             self._stop_workers(group)

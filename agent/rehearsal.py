@@ -21,6 +21,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from agent import regroup, torch_private
 from agent.worker import REHEARSAL_ROUND
 
+LOOPBACK = "127.0.0.1"
+"""Where a rehearsal's store listens: it serves this node's own workers alone."""
+
 
 def joins_a_running_job(handler: object) -> bool:
     """Whether the rendezvous shows a round under way that this node (yet to join) is not in."""
@@ -28,7 +31,8 @@ def joins_a_running_job(handler: object) -> bool:
         return False
     try:
         with torch_private.synced_state(handler) as holder:
-            return bool(holder.state.complete and holder.state.participants)
+            state = holder.state
+            return bool(state.complete and not state.closed and state.participants)
     except RendezvousError:  # unreachable: the rendezvous itself tells
         return False
 
@@ -50,7 +54,9 @@ def wait_rehearsed(directory: Path, local_ranks: list[int], workers: PContext, d
                 if (said := regroup.read_left(directory, rank)) is not None and said.round == REHEARSAL_ROUND}
         if left == set(local_ranks):
             return ""
-        if workers.wait(0) is not None:
-            return "a worker process ended in the rehearsal"
+        ended = workers.wait(0)
+        if ended is not None:
+            how = ", ".join(f"local rank {f.local_rank} exit code {f.exitcode}" for f in ended.failures.values())
+            return f"a worker process ended in the rehearsal ({how or 'exit code 0'})"
         time.sleep(0.05)
     return f"the rehearsal took longer than elastic.rehearsal_deadline ({deadline_s:g} s)"

@@ -68,13 +68,13 @@ def _job_lanes(report: dict[str, Any], saves: list[tuple[tuple[str, int], float]
     ends = [r["at_s"] for r in report["rounds"][1:]] + [seconds]
     for i, (r, end) in enumerate(zip(report["rounds"], ends)):
         left, right = x(r["at_s"]), x(end)
-        parts.append(f'<rect class="round" data-round="{r["round"]}" x="{left:.1f}" y="{rounds_y}" '
+        parts.append(f'<rect class="round" data-round="{escape(str(r["round"]))}" x="{left:.1f}" y="{rounds_y}" '
                      f'width="{max(right - left, 1):.1f}" height="{LANE}" fill="{ROUND_FILLS[i % 2]}" '
                      f'stroke="white"><title>{escape(round_line(r).strip())}</title></rect>')
         if right - left > 40:
             ranks = " ranks" if right - left > 75 else ""
-            parts.append(f'<text x="{left + 3:.1f}" y="{rounds_y + LANE / 2 + 4}">r{r["round"]}: '
-                         f'{r["world_size"]}{ranks}</text>')
+            parts.append(f'<text x="{left + 3:.1f}" y="{rounds_y + LANE / 2 + 4}">r{escape(str(r["round"]))}: '
+                         f'{escape(str(r["world_size"]))}{ranks}</text>')
     for r in report["recoveries"]:
         left = x(r["at_s"])
         parts.append(f'<line class="failure" x1="{left:.1f}" y1="{rounds_y}" x2="{left:.1f}" y2="{bottom}" '
@@ -84,14 +84,14 @@ def _job_lanes(report: dict[str, Any], saves: list[tuple[tuple[str, int], float]
     for (tier, step), at in saves:
         low = saves_y + (LANE - 4 if tier == "storage" else LANE / 2)  # a memory save: a shorter tick
         parts.append(f'<line class="save" data-tier="{tier}" x1="{x(at):.1f}" y1="{saves_y + 4}" x2="{x(at):.1f}" '
-                     f'y2="{low}" stroke="{SAVE_COLOURS[tier]}" stroke-width="2"><title>step {step} committed '
+                     f'y2="{low}" stroke="{SAVE_COLOURS[tier]}" stroke-width="2"><title>step {escape(str(step))} committed '
                      f'({tier}) at {at:.1f} s</title></line>')
     return parts
 
 
 def _recovery_rows(recoveries: list[dict[str, Any]], top: float) -> list[str]:
     """Each recovery on a row of its own from ``top``, its phases to the scale of the longest."""
-    longest = max((r["recovery_s"] for r in recoveries if r["completed"]), default=1.0)
+    longest = max((r["recovery_s"] for r in recoveries if r["completed"]), default=1.0) or 1.0
     parts = [f'<text x="{MARGIN}" y="{top - 12}" font-size="13">each recovery by phase (failure to every '
              f'rank\'s first step), to a scale of {longest:.1f} s</text>']
     for i, r in enumerate(recoveries):

@@ -171,12 +171,16 @@ def _rehearse(context: WorkerContext, warmup: Callable[[Round], None] | None, ba
     """A joining node's rehearsal: the warm-up in a group of this node's workers, then leave it
     and wait for the first round of the job."""
     if warmup is not None:
-        before = open_sockets()
         dist.init_process_group(backend, timeout=timeout or context.process_group_timeout)
         warmup(Round(context, 0, None, EventLog.for_worker(context), threading.Event()))
+        # A rehearsal ends healthy: every rank's collectives (queued, on a GPU) finish before any
+        # rank leaves the group, which is then destroyed, not aborted.
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier()
         gc.collect()
-        cut_connections_since(before)
-        _leave_process_group(backend)
+        torch_private.forget_device_meshes()
+        dist.destroy_process_group()
     regroup.post_left(directory, context.local_rank,
                       regroup.Left(round=REHEARSAL_ROUND, reason="rehearsed", step=None, pid=os.getpid()))
     os.environ.update(_wait_for_handover(directory, context.local_rank, REHEARSAL_ROUND))

@@ -39,7 +39,8 @@ def job_status(job: JobConfig, reader: RendezvousReader, *, now: float | None = 
                               "storage": _storage(job.checkpoint.dir), "recoveries": _recoveries(job)}
     if state is None:
         return status
-    timeout = recovery_timeouts(job).detection_s
+    timeouts = recovery_timeouts(job)
+    timeout = None if timeouts is None else timeouts.detection_s
     nproc = job.job.nproc_per_node
     training = (nodes_used(len(state.participants), nproc, job.elastic.world_size_multiple_of)
                 if isinstance(nproc, int) else len(state.participants))
@@ -72,7 +73,11 @@ def _storage(directory: str | None) -> dict[str, Any] | None:
     if not committed:
         return {"dir": directory, "newest": None}
     step, path = committed[-1]
-    return {"dir": directory, "newest": {"step": step, "path": str(path), "committed_at": path.stat().st_mtime}}
+    try:
+        committed_at: float | None = path.stat().st_mtime
+    except FileNotFoundError:  # pruned since it was listed: the next refresh shows the newer one
+        committed_at = None
+    return {"dir": directory, "newest": {"step": step, "path": str(path), "committed_at": committed_at}}
 
 
 def _restored(reader: RendezvousReader, run_id: str, round: int) -> dict[str, Any] | None:
@@ -150,8 +155,9 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"storage: no committed snapshot in {storage['dir']} (as this machine sees it)")
     else:
         newest = storage["newest"]
-        lines.append(f"storage: newest committed step_{newest['step']} ({newest['path']}, committed "
-                     f"{status['time'] - newest['committed_at']:.0f} s ago)")
+        when = "just pruned" if newest["committed_at"] is None else \
+            f"committed {status['time'] - newest['committed_at']:.0f} s ago"
+        lines.append(f"storage: newest committed step_{newest['step']} ({newest['path']}, {when})")
     lines.append(f"memory: {_memory_text(status['memory'], rdzv)}")
     lines += _recoveries_text(status["recoveries"])
     return "\n".join(lines) + "\n"

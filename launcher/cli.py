@@ -46,7 +46,9 @@ def run_command(argv: Sequence[str]) -> int:
         return 2
     if request.print_config:
         print(request.config.to_yaml(), end="")
-        print(describe_timeouts(recovery_timeouts(request.config)), end="")
+        timeouts = recovery_timeouts(request.config)
+        if timeouts is not None:
+            print(describe_timeouts(timeouts), end="")
         return 0
     # Imported here so that --help and --print-config stay fast.
     from launcher.launch import launch

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
@@ -72,26 +73,28 @@ def status_command(argv: Sequence[str]) -> int:
     # Imported here so that --help and every other command stay fast (it imports the agent's parts).
     from agent.status import job_status, render
 
+    # Ctrl-C ends a watch between two refreshes: a flag, not an exception raised wherever the
+    # signal lands (inside a store call, or while the interpreter exits).
+    stopped = threading.Event()
+    signal.signal(signal.SIGINT, lambda signum, frame: stopped.set())
     reader = None
-    try:
-        while True:
-            try:
-                if reader is None:
-                    reader = open_reader(job.rendezvous.backend, job.rendezvous.endpoint, job.job.id,
-                                         rdzv_conf_for_torch(job.rendezvous.conf), timeout_s=args.timeout)
-                status = job_status(job, reader)
-            except (RendezvousUnreachable, RendezvousStateError, ValueError) as exc:
-                print(f"torchrevive status: error: {exc}", file=sys.stderr, flush=True)
-                if args.watch is None or (reader is None and isinstance(exc, ValueError)):  # options that never hold
-                    return 1
-                reader = None  # a store host that went away: connect again at the next refresh
+    while not stopped.is_set():
+        try:
+            if reader is None:
+                reader = open_reader(job.rendezvous.backend, job.rendezvous.endpoint, job.job.id,
+                                     rdzv_conf_for_torch(job.rendezvous.conf), timeout_s=args.timeout)
+            status = job_status(job, reader)
+        except (RendezvousUnreachable, RendezvousStateError, ValueError) as exc:
+            print(f"torchrevive status: error: {exc}", file=sys.stderr, flush=True)
+            if args.watch is None or (reader is None and isinstance(exc, ValueError)):  # options that never hold
+                return 1
+            reader = None  # a store host that went away: connect again at the next refresh
+        else:
+            if args.json:
+                print(json.dumps(status, indent=None if args.watch else 2), flush=True)
             else:
-                if args.json:
-                    print(json.dumps(status, indent=None if args.watch else 2), flush=True)
-                else:
-                    print(render(status), end="" if args.watch is None else "\n", flush=True)
-            if args.watch is None:
-                return 0
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+                print(render(status), end="" if args.watch is None else "\n", flush=True)
+        if args.watch is None:
+            return 0
+        stopped.wait(args.watch)
+    return 0

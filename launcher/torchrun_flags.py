@@ -130,6 +130,10 @@ def parse_run_args(argv: Sequence[str]) -> RunRequest:
         key, value = parse_override(assignment)
         set_value(config, key, value, source=f"--set {assignment}")
         sources[key] = f"--set {assignment}"
+        if key == "rendezvous.conf":  # the whole mapping replaced: each of its keys comes from here now
+            for stale in [k for k in sources if k.startswith(f"{key}.")]:
+                del sources[stale]
+            sources.update({f"{key}.{name}": f"--set {assignment}" for name in config.rendezvous.conf})
     validate(config, sources)
     return RunRequest(
         config=config,

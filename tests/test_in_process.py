@@ -6,8 +6,9 @@ worker died restarts it (the fallback), and the round still agrees on one step."
 from __future__ import annotations
 
 import sys
+import time
 
-from conftest import REPO
+from conftest import REPO, start_torchrevive
 from test_recovery_e2e import assert_trained_as_without_faults, harness_args, train_through_a_node_loss
 
 from agent.events import read_events
@@ -66,3 +67,71 @@ def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_pro
     healed = [e for e in events if e["event"] == "restore_done" and e["source"] == "peer"]
     assert len(healed) >= 2 and all(e["bytes"] > 0 for e in healed), healed
     assert {e["source"] for e in events if e["event"] == "restore_done"} <= {"peer", "in_process"}
+
+
+FAILING_WARMUP = """
+import os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+import agent
+
+out = Path(sys.argv[1])
+
+def warmup(round):
+    raise RuntimeError("this warm-up fails")
+
+def train(round):
+    ctx, step = round.context, round.held_step or 0
+    while True:
+        flag = torch.tensor([float((out / "stop").exists())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            break
+        step += 1
+        (out / f"world{ctx.rank}").write_text(str(ctx.world_size))
+        round.step_done(step)
+        time.sleep(0.05)
+    dist.barrier()
+    os._exit(0)  # no teardown: gloo's destructors can abort when peers exit at once
+
+agent.run_resilient(train, warmup=warmup)
+"""
+
+
+def test_a_rehearsal_that_fails_lets_the_node_join_with_new_workers(tmp_path, rdzv_endpoint):
+    """The joining node's warm-up raises: its rehearsal ends, its workers are stopped, and it joins
+    the job as without a rehearsal (new workers); the job goes on at world size 2."""
+    script, events = tmp_path / "train.py", tmp_path / "events.jsonl"
+    script.write_text(FAILING_WARMUP)
+    args = ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            rdzv_endpoint, "--rdzv-id", "rehearsal", "--rdzv-conf", "join_timeout=60,last_call_timeout=1",
+            "--monitor-interval", "0.2", "--set", "elastic.in_process=true", "--set",
+            f"observability.event_log={events}", str(script), str(tmp_path)]
+    first = start_torchrevive(args)
+    try:
+        wait_until(lambda: (tmp_path / "world0").exists(), first, "the first node trains")
+        second = start_torchrevive(args)
+        try:
+            wait_until(lambda: all((tmp_path / f"world{r}").exists() and (tmp_path / f"world{r}").read_text() == "2"
+                                   for r in (0, 1)), first, "both nodes train at world size 2")
+            (tmp_path / "stop").touch()
+            outputs = [proc.communicate(timeout=60)[0] for proc in (first, second)]
+            assert [first.returncode, second.returncode] == [0, 0], outputs
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+    assert "this warm-up fails" in outputs[1]
+    recorded = read_events(events)
+    [rehearsal] = [e for e in recorded if e["event"] == "rehearsal_done"]
+    assert rehearsal["problem"] == "a worker process ended in the rehearsal (local rank 0 exit code 1)", rehearsal
+    joined = [e for e in recorded if e["event"] == "workers_started" and e["node"] == rehearsal["node"]]
+    assert joined and joined[0]["start"] in ("warm", "spawn"), joined  # started anew, not handed over
+
+
+def wait_until(condition, proc, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the job ended before {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)

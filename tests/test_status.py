@@ -96,7 +96,8 @@ def test_status_of_a_running_c10d_job(tmp_path):
         try:
             refreshes = [json.loads(watch.stdout.readline()) for _ in range(2)]
             watch.send_signal(signal.SIGINT)
-            assert watch.wait(TIMEOUT_S) == 0  # Ctrl-C ends the watch, and is no error
+            _, errors = watch.communicate(timeout=TIMEOUT_S)  # reads on: a full pipe would block it
+            assert watch.returncode == 0, errors  # Ctrl-C ends the watch, and is no error
         finally:
             watch.kill()
     rdzv = found["rendezvous"]

@@ -76,6 +76,19 @@ def test_torchruns_own_keys_in_the_wrong_order_on_the_command_line_only_warn_as_
         resolved("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=5")
 
 
+def test_our_own_overrides_and_odd_heartbeat_counts_are_judged_as_they_should_be():
+    # --set is torchrevive's own override, not a torchrun command line: strict.
+    with pytest.raises(ConfigError, match=r"--set rendezvous.conf=.*join_timeout 20 s must exceed last_call_timeout"):
+        resolved(*ELASTIC, "--set", "rendezvous.conf={join_timeout: 20, last_call_timeout: 30}")
+    # torchrun runs a job that drops a node at its first late heartbeat; so do we, with a warning.
+    with pytest.warns(UserWarning, match=r"keep_alive_max_attempt 1 drops a healthy node"):
+        resolved(*ELASTIC, "--rdzv-conf", "keep_alive_max_attempt=1")
+    # torch's etcd v1 backend has none of these timeouts: no chain, no rule.
+    config = resolved("--nnodes", "1:4", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379",
+                      "--rdzv-conf", "last_call_timeout=900")
+    assert recovery_timeouts(config) is None
+
+
 def test_print_config_shows_the_chain_as_comments_of_a_loadable_document():
     done = subprocess.run([*TORCHREVIVE, "run", "--print-config", *ETCD, "--rdzv-conf", "keep_alive_interval=2",
                            "train.py"], env=worker_env(), capture_output=True, text=True, timeout=60)

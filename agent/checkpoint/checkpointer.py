@@ -143,6 +143,9 @@ class Checkpointer:
     def from_env(cls) -> Checkpointer:
         """A Checkpointer configured by the job config the agent handed to this rank."""
         ctx = WorkerContext.from_env()
+        if ctx.rehearsal:
+            raise CheckpointError("a joining node's rehearsal touches no snapshot: build the Checkpointer in the "
+                                  "training function given to agent.run_resilient, not in its warm-up")
         config = load_config(ctx.config_path)
         directory = ctx.checkpoint_dir or config.checkpoint.dir
         if not directory:

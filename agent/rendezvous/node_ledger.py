@@ -70,8 +70,10 @@ class NodeLedger:
                 for node in mine:
                     del state.last_heartbeats[node]
                 torch_private.forget_dropped_nodes(holder)
-                cleanup()
-                state.last_heartbeats.update(mine)
+                try:
+                    cleanup()
+                finally:
+                    state.last_heartbeats.update(mine)
                 ledger._record_dropped([str(node) for node in torch_private.nodes_dropped_by_cleanup(holder)])
 
             return cleanup_and_record
