@@ -12,18 +12,22 @@ from agent.events import EventLog, read_events, rotated
 WRITERS, EVENTS_EACH, LIMIT = 8, 300, 1024
 
 
-def append(path: str, writer: int) -> None:
+def append(path: str, writer: int, limits: tuple[int, int] | None = None) -> None:
+    """Append EVENTS_EACH events as ``writer``; ``limits``: the rotation size and files kept to set
+    first (in a process of its own)."""
+    if limits is not None:
+        events.ROTATE_AT_BYTES, events.ROTATED_KEPT = limits
     log = EventLog(path, writer=writer)
     for seq in range(EVENTS_EACH):
         log.record("tick", seq=seq)
 
 
-def test_several_processes_rotate_the_log_once_per_limit_and_lose_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(events, "ROTATE_AT_BYTES", LIMIT)
-    monkeypatch.setattr(events, "ROTATED_KEPT", 10_000)  # keep all: every event is read back
+def test_several_processes_rotate_the_log_once_per_limit_and_lose_nothing(tmp_path):
     log = tmp_path / "events.jsonl"
-    fork = multiprocessing.get_context("fork")  # the writers inherit the small limit
-    writers = [fork.Process(target=append, args=(str(log), writer)) for writer in range(WRITERS)]
+    # Spawned, not forked: a fork of this process, whose earlier tests left gRPC threads, can abort.
+    spawn = multiprocessing.get_context("spawn")
+    writers = [spawn.Process(target=append, args=(str(log), writer, (LIMIT, 10_000)))  # keep all: all read back
+               for writer in range(WRITERS)]
     for process in writers:
         process.start()
     for process in writers:
