@@ -453,10 +453,9 @@ def _resolve_timeouts(config: JobConfig, sources: dict[str, str], fail: Any) -> 
     broken by torchrun's own rendezvous keys from the command line is a warning (torchrun runs
     such a job as given); any other stops the launch."""
     try:
-        int(config.rendezvous.conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT))
-    except (TypeError, ValueError):
+        timeouts = recovery_timeouts(config)
+    except (TypeError, ValueError):  # the durations are checked already: the heartbeat count is left
         fail("rendezvous.conf.keep_alive_max_attempt", "must be a whole number of heartbeats, e.g. 3")
-    timeouts = recovery_timeouts(config)
     if timeouts is None:
         return
     if "elastic.join_wait" not in sources:
@@ -464,7 +463,9 @@ def _resolve_timeouts(config: JobConfig, sources: dict[str, str], fail: Any) -> 
     if "elastic.process_group_timeout" not in sources:
         config.elastic.process_group_timeout = Seconds(
             derived_process_group_timeout_s(timeouts.detection_s, config.elastic.stop_grace))
-    for rule in recovery_timeouts(config).rule_breaks():
+    timeouts = dataclasses.replace(timeouts, join_wait=config.elastic.join_wait,
+                                   process_group_timeout=config.elastic.process_group_timeout)
+    for rule in timeouts.rule_breaks():
         if all(_torchruns_own(key, sources) for key in rule.keys):
             warnings.warn(f"{sources.get(rule.keys[0], f'default {rule.keys[0]}')}: {rule.problem}", stacklevel=3)
         else:

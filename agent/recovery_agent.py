@@ -314,8 +314,9 @@ class RecoveryAgent(LocalElasticAgent):
     def _workers_left(self) -> dict[int, regroup.Left]:
         """What each of this node's workers that left the current round said, by local rank."""
         assert self._regroup_dir is not None
-        said = {w.local_rank: regroup.read_left(self._regroup_dir, w.local_rank) for w in self._worker_group.workers}
-        return {rank: left for rank, left in said.items() if left is not None and left.round == self._round}
+        if self._round is None:  # no rendezvous round: no worker can have left one
+            return {}
+        return regroup.left_round(self._regroup_dir, [w.local_rank for w in self._worker_group.workers], self._round)
 
     def _workers_yet_to_leave(self) -> list[int]:
         left = self._workers_left()

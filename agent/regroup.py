@@ -60,6 +60,12 @@ def read_left(directory: str | os.PathLike[str], local_rank: int) -> Left | None
         return None
 
 
+def left_round(directory: str | os.PathLike[str], local_ranks: list[int], round: int) -> dict[int, Left]:
+    """What each of ``local_ranks`` that said it left ``round`` said, by local rank."""
+    said = {rank: read_left(directory, rank) for rank in local_ranks}
+    return {rank: left for rank, left in said.items() if left is not None and left.round == round}
+
+
 def hand_over(directory: str | os.PathLike[str], local_rank: int, round: int, env: dict[str, str]) -> None:
     write_file(Path(directory) / f"handover-{local_rank}.json", json.dumps({"round": round, "env": env}))
 

@@ -50,9 +50,7 @@ def wait_rehearsed(directory: Path, local_ranks: list[int], workers: PContext, d
     """Wait until every local rank left the rehearsal: "" when all did, else why not."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        left = {rank for rank in local_ranks
-                if (said := regroup.read_left(directory, rank)) is not None and said.round == REHEARSAL_ROUND}
-        if left == set(local_ranks):
+        if len(regroup.left_round(directory, local_ranks, REHEARSAL_ROUND)) == len(local_ranks):
             return ""
         ended = workers.wait(0)
         if ended is not None:

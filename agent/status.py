@@ -14,16 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.dirs import committed_snapshots, step_of
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+from agent import torch_private
+from agent.checkpoint.dirs import committed_snapshots
 from agent.config import JobConfig, recovery_timeouts
 from agent.events import read_events
 from agent.memory.layout import decode_inventory, of_run
-from agent.memory.tier import MemoryChoice, inventory_key, newest_complete
+from agent.memory.tier import inventory_key, newest_complete
 from agent.recovery_agent import nodes_used
-from agent.rendezvous import round_state
+from agent.rendezvous import round_state, round_values
 from agent.rendezvous.round_keys import RESTORE_FROM_KEY
 from agent.rendezvous.round_values import MEMORY_CHOICE
-from agent.rendezvous.state_reader import RendezvousReader, round_value_key
+from agent.rendezvous.state_reader import RendezvousReader
 from agent.report import job_report, recovery_line
 
 RECOVERIES_SHOWN = 3
@@ -82,21 +85,19 @@ def _storage(directory: str | None) -> dict[str, Any] | None:
 
 def _restored(reader: RendezvousReader, run_id: str, round: int) -> dict[str, Any] | None:
     """The snapshot the round's leader chose for the round to restore, checked as the agents check it."""
-    value = reader.job_value(round_value_key(run_id, round, RESTORE_FROM_KEY))
+    key = torch_private.run_round_key(run_id, round, RESTORE_FROM_KEY)
+    value = reader.job_value(key)
     if value is None:
         return None
     text = value.decode(errors="replace")
     if not text:
         return {"tier": None, "snapshot": None}
-    if text.startswith(MEMORY_CHOICE):
-        try:
-            choice = MemoryChoice.from_json(text.removeprefix(MEMORY_CHOICE))
-            return {"tier": "memory", "snapshot": choice.snapshot.relative}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return {"tier": "unreadable", "snapshot": None}
-    if step_of(Path(text)) is None or Path(text).name != text:
+    try:
+        if text.startswith(MEMORY_CHOICE):
+            return {"tier": "memory", "snapshot": round_values.chosen_memory_snapshot(key, text).snapshot.relative}
+        return {"tier": "storage", "snapshot": round_values.snapshot_name(key, text)}
+    except RendezvousStateError:
         return {"tier": "unreadable", "snapshot": None}
-    return {"tier": "storage", "snapshot": text}
 
 
 def _memory(reader: RendezvousReader, run_id: str, round: int, nodes: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousSettings,
@@ -151,7 +152,21 @@ def rendezvous_store(handler: DynamicRendezvousHandler) -> Any:
 def round_key(handler: DynamicRendezvousHandler, round: int, key: str) -> str:
     """``key`` of the store torch gives the agents of rendezvous round ``round``, as named in the
     handler's store (torch's ``_wrap_store`` prefixes it so, through a PrefixStore)."""
-    return f"torch.rendezvous.{handler.settings.run_id}.{round}/{key}"
+    return run_round_key(handler.settings.run_id, round, key)
+
+
+def run_round_key(run_id: str, round: int, key: str) -> str:
+    """:func:`round_key` for run ``run_id``, read from outside its agents."""
+    return f"torch.rendezvous.{run_id}.{round}/{key}"
+
+
+def c10d_state_key(run_id: str) -> str:
+    """The key torch's c10d rendezvous backend keeps run ``run_id``'s state under."""
+    return f"torch.rendezvous.{run_id}"
+
+
+C10D_NO_STATE = C10dRendezvousBackend._NULL_SENTINEL.encode()
+"""What torch's c10d backend stores as the state until a node writes one."""
 
 
 def torch_round_keys(nodes: int) -> list[str]:

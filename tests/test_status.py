@@ -38,7 +38,7 @@ from agent.checkpoint.checkpointer import Checkpointer
 from agent.config import load_config
 from agent.memory.layout import encode_inventory
 from agent.rendezvous.round_keys import RESTORE_FROM_KEY
-from agent.rendezvous.state_reader import C10dReader, round_value_key
+from agent.rendezvous.state_reader import C10dReader
 from agent.status import job_status, render
 from launcher.status_command import parse_status_args
 
@@ -171,7 +171,7 @@ def test_what_the_store_holds_is_checked_before_it_is_shown(store, tmp_path):
     store.set("torchrevive/memory/3/inventory/0", encode_inventory(
         {"r2/step_40": {"files": complete, "complete": complete, "run": run},
          "r2/step_50": {"files": complete, "complete": complete, "run": "another run"}}))
-    store.set(round_value_key(run, 3, RESTORE_FROM_KEY), "../../etc/passwd")
+    store.set(torch_private.run_round_key(run, 3, RESTORE_FROM_KEY), "../../etc/passwd")
     job = load_config(None)
     job.job.id = run
     job.observability.event_log = str(REPO / "tests" / "data" / "events_gpt_in_process_mesh_defect.jsonl")
@@ -187,7 +187,7 @@ def test_what_the_store_holds_is_checked_before_it_is_shown(store, tmp_path):
     assert found["memory"] == {"published": 1, "malformed": 0, "newest": "r2/step_40"}  # only its own run's
     assert found["restored"] == {"tier": "unreadable", "snapshot": None}
     assert "not a snapshot name" in render(found) and "passwd" not in render(found)
-    store.set(round_value_key(run, 3, RESTORE_FROM_KEY), "memory:" + json.dumps({"snapshot": "r2/step_40",
+    store.set(torch_private.run_round_key(run, 3, RESTORE_FROM_KEY), "memory:" + json.dumps({"snapshot": "r2/step_40",
                                                                                  "holders": {"0/a": 0}}))
     store.set("torchrevive/memory/3/inventory/0", "zlib+b64:!!")
     found = job_status(job, reader)

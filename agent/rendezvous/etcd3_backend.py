@@ -49,7 +49,12 @@ from agent import torch_private
 from agent.rendezvous import etcd3_client
 from agent.rendezvous.checked_backend import CheckedBackend
 from agent.rendezvous.etcd3_members import MAX_DELETES, Etcd3MembersBackend
-from agent.timeouts import default_lease_ttl_s, etcd_outage_grace_s
+from agent.timeouts import (
+    TORCH_KEEP_ALIVE_MAX_ATTEMPT,
+    TORCH_RENDEZVOUS_DEFAULTS_S,
+    default_lease_ttl_s,
+    etcd_outage_grace_s,
+)
 
 if TYPE_CHECKING:
     from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
@@ -355,8 +360,7 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     layout = heartbeat_layout(params)
     connection = etcd3_client.Etcd3Connection(options_from(params))
     prefix = str(params.get("key_prefix", DEFAULT_PREFIX)).rstrip("/")
-    lease_ttl = params.get_as_int("lease_ttl") or default_lease_ttl_s(params.get_as_int("keep_alive_interval", 5) or 5,
-                                                                     params.get_as_int("keep_alive_max_attempt", 3) or 3)
+    lease_ttl = params.get_as_int("lease_ttl") or default_lease_ttl_s(*keep_alive(params))
     lease = Etcd3Lease(connection, lease_ttl)
     backend: Etcd3RendezvousBackend | Etcd3MembersBackend
     if layout == "keys":
@@ -384,10 +388,15 @@ def heartbeat_layout(params: RendezvousParameters) -> str:
     return layout
 
 
+def keep_alive(params: RendezvousParameters) -> tuple[int, int]:
+    """(keep_alive_interval, keep_alive_max_attempt), with torch's defaults (5 s, 3)."""
+    interval = params.get_as_int("keep_alive_interval", 0) or int(TORCH_RENDEZVOUS_DEFAULTS_S["keep_alive_interval"])
+    return interval, params.get_as_int("keep_alive_max_attempt", 0) or TORCH_KEEP_ALIVE_MAX_ATTEMPT
+
+
 def heartbeat_timeout_s(params: RendezvousParameters) -> int:
     """keep_alive_interval x keep_alive_max_attempt, with torch's defaults (5 s x 3)."""
-    interval = params.get_as_int("keep_alive_interval", 5) or 5
-    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    interval, attempts = keep_alive(params)
     return interval * attempts
 
 

@@ -42,14 +42,29 @@ def _refused(key: str, value: str, problem: str, fix: str) -> RendezvousStateErr
                                 f"the round's leader agent: {fix}")
 
 
+def snapshot_name(key: str, value: str) -> str:
+    """``value`` when it names a storage snapshot (``step_<N>``, nothing more)."""
+    if step_of(Path(value)) is None or Path(value).name != value:
+        raise _refused(key, value, "not the name of a snapshot (step_<N>)",
+                       "check what else writes to the job's rendezvous store")
+    return value
+
+
+def chosen_memory_snapshot(key: str, value: str) -> MemoryChoice:
+    """The memory snapshot choice ``value`` (with its :data:`MEMORY_CHOICE` prefix) holds."""
+    try:
+        return MemoryChoice.from_json(value.removeprefix(MEMORY_CHOICE))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _refused(key, value, f"not a memory snapshot choice ({exc})",
+                       "check what else writes to the job's rendezvous store") from exc
+
+
 def storage_choice(key: str, value: str, checkpoint_dir: str | None) -> Path | None:
     """The storage snapshot a round's leader chose (``step_<N>``, or "" for none) under this
     node's ``checkpoint_dir``: ``checkpoint_dir/step_<N>``, resolving inside it."""
     if not value:
         return None
-    if step_of(Path(value)) is None or Path(value).name != value:
-        raise _refused(key, value, "not the name of a snapshot (step_<N>)",
-                       "check what else writes to the job's rendezvous store")
+    snapshot_name(key, value)
     if not checkpoint_dir:
         raise _refused(key, value, "the round restores from storage, and this node has no checkpoint.dir",
                        "give every node the same checkpoint.dir")
@@ -67,11 +82,7 @@ def memory_choice(key: str, value: str, memory_root: Path | None) -> tuple[Memor
     if memory_root is None:
         raise _refused(key, value, "the round restores a memory snapshot, and this node has no memory tier",
                        "give every node the same checkpoint.memory_interval_steps")
-    try:
-        choice = MemoryChoice.from_json(value.removeprefix(MEMORY_CHOICE))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _refused(key, value, f"not a memory snapshot choice ({exc})",
-                       "check what else writes to the job's rendezvous store") from exc
+    choice = chosen_memory_snapshot(key, value)
     local = memory_root / choice.snapshot.relative
     if not local.resolve().is_relative_to(memory_root.resolve()):
         raise _refused(key, value, f"{local} resolves to {local.resolve()}, outside the memory directory "

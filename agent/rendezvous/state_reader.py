@@ -22,14 +22,13 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from agent.errors import TorchreviveError
+from agent import torch_private
 from agent.rendezvous import round_state
 
 if TYPE_CHECKING:
     from agent.torch_private import RendezvousState
 
 T = TypeVar("T")
-_C10D_NO_STATE = b"Y2FuaW1hZGFt"
-"""What torch's c10d backend stores as the state until a node writes one (its ``_NULL_SENTINEL``)."""
 BACKENDS = ("c10d", "etcd3", "etcd-v3")
 """The backends whose state can be read: torch's dynamic rendezvous on c10d, and etcd3's."""
 
@@ -50,12 +49,6 @@ class RendezvousReader(Protocol):
 
     def job_value(self, key: str) -> bytes | None:
         """``key`` of the job's rendezvous store, None when it is not set."""
-
-
-def round_value_key(run_id: str, round: int, key: str) -> str:
-    """``key`` of rendezvous round ``round``'s store, named in the job's store (torch wraps the job's
-    store in a PrefixStore per round; see :func:`agent.torch_private.round_key`)."""
-    return f"torch.rendezvous.{run_id}.{round}/{key}"
 
 
 def open_reader(backend: str, endpoint: str, run_id: str, conf: dict[str, Any], *,
@@ -92,8 +85,8 @@ class C10dReader:
 
     def state(self) -> tuple[RendezvousState | None, frozenset[str] | None]:
         where = f"the c10d rendezvous state of run '{self._run_id}' ({self.where})"
-        stored = self.job_value(f"torch.rendezvous.{self._run_id}")
-        if stored is None or stored == _C10D_NO_STATE:
+        stored = self.job_value(torch_private.c10d_state_key(self._run_id))
+        if stored is None or stored == torch_private.C10D_NO_STATE:
             return None, None
         try:
             data = base64.b64decode(stored, validate=True)
