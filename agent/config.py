@@ -203,6 +203,21 @@ class ElasticSection:
 
 
 @dataclass(kw_only=True)
+class CompileSection:
+    """Where torch.compile's caches live on each node (:mod:`agent.compile_cache`). Cache entries
+    are code the workers run: nothing is kept or shared unless the job says so."""
+
+    cache_dir: str | None = None
+    """A directory on this node that outlives its workers (and, in a container, the container):
+    the workers' inductor caches go there, so a worker restarted on the node compiles from them.
+    None: torch's own default (a directory under /tmp)."""
+    share: bool = False
+    """With ``cache_dir``: the round's leader keeps a copy of its node's caches in the checkpoint
+    directory after each commit, and a node whose caches are empty starts from it. Whoever can
+    write the checkpoint directory can then run code on every node."""
+
+
+@dataclass(kw_only=True)
 class ObservabilitySection:
     """Where recovery events go. The metrics port is unauthenticated: bind it to a private
     address."""
@@ -222,6 +237,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     restore: RestoreSection = field(default_factory=RestoreSection)
     elastic: ElasticSection = field(default_factory=ElasticSection)
+    compile: CompileSection = field(default_factory=CompileSection)
     observability: ObservabilitySection = field(default_factory=ObservabilitySection)
 
     @property
@@ -397,6 +413,9 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
         fail("checkpoint.memory_interval_steps", f"{config.checkpoint.memory_interval_steps} must be >= 0 (0: off)")
     if config.checkpoint.memory_interval_steps and not config.checkpoint.dir:
         fail("checkpoint.memory_interval_steps", "the memory tier needs checkpoint.dir too (the storage tier it falls back on)")
+    if config.compile.share and not (config.compile.cache_dir and config.checkpoint.dir):
+        fail("compile.share", "shares the node's caches through the checkpoint directory: set compile.cache_dir and "
+                              "checkpoint.dir too")
     for path in ("restore.io_threads", "elastic.global_batch_size", "elastic.micro_batch_size"):
         if config.get(path) is not None and config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1 (or leave it unset)")

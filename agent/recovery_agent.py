@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from agent import health, regroup, rehearsal, torch_private, worker
 from agent.commit_notice import read_notice
+from agent.compile_cache import CompileCache, Shared
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError, StaleRoundError
 from agent.events import EventLog, Metrics
@@ -145,6 +147,10 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory_buddy = ""
         self._restore_source = "storage"
         self._warm = self._start_warm_process() if job.launch.warm_workers else None
+        self._compile_cache = CompileCache(job.compile.cache_dir, job.checkpoint.dir, share=job.compile.share) \
+            if job.compile.cache_dir else None
+        self._shared_commit: float | None = None
+        """The time of the last commit after which this node's compile caches were offered for sharing."""
         # Prefetch reads manifests through torchsnapshot (with DTensor and DCP: seconds of CPU on a
         # busy node). Loaded beside the first rendezvous: not before it, which would delay a
         # joining node, nor when the first workers start, which would slow them down.
@@ -152,7 +158,8 @@ class RecoveryAgent(LocalElasticAgent):
                          daemon=True).start()
 
     def worker_environment(self) -> dict[str, str]:
-        """The TORCHREVIVE_* variables for the round about to start."""
+        """The variables for the round about to start: TORCHREVIVE_*, and inductor's cache directory
+        with ``compile.cache_dir``."""
         job = self._job
         return {
             worker.CONFIG: self._config_path,
@@ -167,6 +174,7 @@ class RecoveryAgent(LocalElasticAgent):
             worker.COMMIT_NOTICE: str(self._commit_notice),
             worker.REGROUP_DIR: str(self._regroup_dir or ""),
             worker.PROCESS_GROUP_TIMEOUT: repr(float(job.elastic.process_group_timeout)),
+            **(self._compile_cache.environment() if self._compile_cache else {}),
         }
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -232,6 +240,25 @@ class RecoveryAgent(LocalElasticAgent):
                 return result
             if isinstance(action, Recover):
                 self._recover(action)
+            elif state == WorkerState.HEALTHY:
+                self._share_compile_cache()
+
+    def _share_compile_cache(self) -> None:
+        """(The round's leader, with ``compile.share``.) After each storage commit its workers
+        tell of, offer this node's compile caches to the checkpoint directory."""
+        if self._compile_cache is None or self._compile_cache.shared is None or self._worker_group.group_rank != 0 \
+                or self._standby:
+            return
+        notice = read_notice(self._commit_notice)
+        if notice is None or notice.tier != "storage" or notice.at == self._shared_commit:
+            return
+        self._shared_commit = notice.at
+
+        def shared(result: Shared | None, problem: str | None) -> None:
+            self.events.record("compile_cache_shared", step=notice.step, problem=problem,
+                               **(asdict(result) if result else {}))
+
+        self._compile_cache.share_if_changed(shared)
 
     def _membership_change(self, workers_healthy: bool) -> Change | None:
         if self._watch is not None:
@@ -547,6 +574,8 @@ class RecoveryAgent(LocalElasticAgent):
             handlers.append(WarmSubprocessHandler(self._warm, **kwargs))
             return handlers[-1]
 
+        if self._compile_cache is not None:
+            self.events.record("compile_cache_ready", **asdict(self._compile_cache.prepare()))
         if self._warm is not None:
             reap_orphans(keep={self._warm.pid})
         # The round's variables go into each worker's own environment: setting them in the

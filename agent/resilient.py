@@ -172,7 +172,10 @@ def _rehearse(context: WorkerContext, warmup: Callable[[Round], None] | None, ba
     and wait for the first round of the job."""
     if warmup is not None:
         dist.init_process_group(backend, timeout=timeout or context.process_group_timeout)
-        warmup(Round(context, 0, None, EventLog.for_worker(context), threading.Event()))
+        events, started = EventLog.for_worker(context), time.monotonic()
+        warmup(Round(context, 0, None, events, threading.Event()))
+        events.record("warmup_done", seconds=time.monotonic() - started,
+                      compiled_graphs=torch_private.graphs_compiled(), **torch_private.compile_stats())
         # A rehearsal ends healthy: every rank's collectives (queued, on a GPU) finish before any
         # rank leaves the group, which is then destroyed, not aborted.
         if torch.cuda.is_available():

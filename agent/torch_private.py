@@ -310,6 +310,21 @@ def forget_device_meshes() -> None:
     MeshTopoInfo.build_from_mesh.cache_clear()
 
 
+def compile_stats() -> dict[str, float | int]:
+    """torch.compile in this process so far (dynamo's own timers and counters): ``compile_s``
+    (seconds compiling), ``cache_hits`` and ``cache_misses`` of inductor's FX graph cache (a miss:
+    a graph compiled from scratch). All 0 while torch._dynamo is not imported."""
+    if "torch._dynamo" not in sys.modules:
+        return {"compile_s": 0.0, "cache_hits": 0, "cache_misses": 0}
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = sum(float(v) for name, v in zip(names, values) if name == "_compile.compile_inner")
+    inductor = counters["inductor"]
+    return {"compile_s": seconds, "cache_hits": int(inductor["fxgraph_cache_hit"]),
+            "cache_misses": int(inductor["fxgraph_cache_miss"])}
+
+
 def graphs_compiled() -> int:
     """How many graphs torch.compile (dynamo) has compiled in this process (its own counter; 0
     while torch._dynamo is not imported)."""

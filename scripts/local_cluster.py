@@ -47,7 +47,10 @@ pause in training: from rank 0's last step before the recovered job's first step
 whose new node starts while the job trains on, less than recovery_s), "phases":
 {detect, rendezvous, workers_start, restore, first_step, and for a compiled GPT compile: the compile time
 of the first step after the restart, carved out of first_step}, "compile_cold_s" (the job's first compile;
-None for the MLP), "recompiles" (graphs dynamo compiled for that first step), "path" ("in_process" when the
+None for the MLP), "compile_warm_from" (with --compile-cache per-node: what the workers started after the
+fault compiled from, the coldest node's: "local" caches, "snapshot" (the copy in the checkpoint dir) or
+"none"), for a join "compile_joined_s" (the joining node's compile: in its rehearsal, or in its first step on
+the restart path), "recompiles" (graphs dynamo compiled for that first step), "path" ("in_process" when the
 survivors kept their processes, else "restart"), "fallback_reason", "step_s" (the median steady step before
 the fault), "resume_s" (recovery_s less one steady step)}, "baseline": {"approach", "recovery_s" (from the
 fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
@@ -78,7 +81,16 @@ import psutil
 import yaml
 from local_ports import free_port
 
-from workloads import GPT_SIZES, WORKLOADS, compile_cold_s, split_compile, width_for, workload_of
+from workloads import (
+    GPT_SIZES,
+    WORKLOADS,
+    compile_cold_s,
+    compile_warm_from,
+    joined_compile_s,
+    split_compile,
+    width_for,
+    workload_of,
+)
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
@@ -201,6 +213,8 @@ class Cluster(Nodes):
         self.memory_dir = Path(tempfile.mkdtemp(prefix="torchrevive-memory-", dir="/dev/shm")) \
             if self.memory_interval else None
         self.memory_mb = getattr(args, "memory_mb", None) or max(64, math.ceil(4 * args.state_mb))
+        # Per node, the agent's compile caches in a folder of their own, empty when the run starts.
+        self.compile_caches = work / "compile-caches" if getattr(args, "compile_cache", "off") == "per-node" else None
         self.conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
                      "keep_alive_max_attempt": 3}
         self.config.write_text(yaml.safe_dump({
@@ -213,6 +227,7 @@ class Cluster(Nodes):
                            "memory_dir": str(self.memory_dir) if self.memory_dir else None},
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1),
                         "in_process": getattr(args, "in_process", False), **(self.workload.batch or {})},
+            "compile": {"share": self.compile_caches is not None},
             "observability": {"event_log": str(self.events)},
         }))
 
@@ -229,6 +244,8 @@ class Cluster(Nodes):
 
     def command(self, index: int) -> list[str]:
         local = [] if self.network is None else ["--local-addr", self.network.address(index)]
+        if self.compile_caches is not None:
+            local += ["--set", f"compile.cache_dir={self.compile_caches / f'node{index}'}"]
         command = [sys.executable, "-m", "launcher.cli", "run", "--config", str(self.config), *self._host_flag(index),
                    *local, self.workload.script, "--steps", str(getattr(self.args, "steps", 1_000_000)),
                    *self.workload.args, "--marks", str(self.marks), *getattr(self.args, "train_args", [])]
@@ -310,6 +327,9 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
                              args.timeout, "committed snapshot")
             if cluster.memory_interval:  # and a memory snapshot newer than it: what the memory tier is for
                 cluster.wait_for(lambda ev, t=since: newer_in_memory(ev, t), args.timeout, "a newer memory snapshot")
+            if cluster.compile_caches is not None and scenario == "join":  # the job's caches, shared for the new node
+                cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "compile_cache_shared"], args.timeout,
+                                 "the compile caches shared")
             fault = args.fault_node if args.fault_node in cluster.nodes else max(cluster.nodes)
             if scenario in CHECKED_SCENARIOS:
                 results.append(CHECKED_SCENARIOS[scenario](cluster, args, fault))
@@ -358,6 +378,10 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             timeline["resume_s"] = timeline["recovery_s"] - (timeline["step_s"] or 0.0)
             split_compile(timeline, marks, fault_at)
             timeline["compile_cold_s"] = compile_cold_s(marks)
+            events = read_events(cluster.events)
+            timeline["compile_warm_from"] = compile_warm_from(events, fault_at)
+            if scenario == "join":
+                timeline["compile_joined_s"] = joined_compile_s(events, fault_at)
             results.append({"scenario": scenario, **timeline})
             print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
                   f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
@@ -689,6 +713,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="mlp: examples/train.py sized by --state-mb; gpt: examples/gpt/train.py (FSDP2)")
     parser.add_argument("--gpt-size", choices=sorted(GPT_SIZES), default="default", help="--workload gpt: the model")
     parser.add_argument("--compile", choices=("on", "off"), default="on", help="--workload gpt: torch.compile per block")
+    parser.add_argument("--compile-cache", choices=("off", "per-node"), default="off",
+                        help="per-node: each agent keeps its compile caches in a folder of its own, empty at the "
+                             "start, and shares them through the checkpoint dir (compile.cache_dir, compile.share); "
+                             "off: torch's default folder, one for every node of this machine")
     parser.add_argument("--state-mb", type=float, default=64, help="--workload mlp: the state's size")
     parser.add_argument("--interval-steps", type=int, default=5)
     parser.add_argument("--memory-interval", type=int, default=0, metavar="K",

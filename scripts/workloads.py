@@ -81,6 +81,27 @@ def compile_cold_s(marks: list[dict]) -> float | None:
     return None if first is None else first.get("compile_s")
 
 
+WARMTH = ("none", "snapshot", "local")
+"""What a node's workers compile from (the agent's ``compile_cache_ready``), coldest first."""
+
+
+def compile_warm_from(events: list[dict], after: float) -> str | None:
+    """What the workers started after ``after`` compiled from, the coldest node's (see
+    :data:`WARMTH`); None without the agent's compile caches (``--compile-cache off``)."""
+    ready = [e["warm_from"] for e in events if e["event"] == "compile_cache_ready" and e["time"] > after]
+    return min(ready, key=WARMTH.index) if ready else None
+
+
+def joined_compile_s(events: list[dict], after: float) -> float | None:
+    """A join's compile: the longest a worker of the joining node compiled, in its rehearsal
+    (``warmup_done``) or, on the restart path, where every worker is new, in its first step."""
+    for kind in ("warmup_done", "first_step_done"):
+        seconds = [e["compile_s"] for e in events if e["event"] == kind and e["time"] > after and "compile_s" in e]
+        if seconds:
+            return max(seconds)
+    return None
+
+
 def split_compile(timeline: dict, marks: list[dict], after: float) -> None:
     """Carve the compile time paid by the first step after ``after`` out of the timeline's
     ``first_step`` phase (it is part of it) as ``phases.compile``: the phases still add up to the

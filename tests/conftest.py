@@ -44,6 +44,8 @@ SLOW = frozenset({
     "test_liveness.py", "test_listener_limits.py", "test_rendezvous_watch.py",
     "test_peer_files.py::test_idle_connections_are_cut_at_their_deadline_and_peers_then_get_through",
     "test_peer_files.py::test_connections_beyond_the_caps_are_refused_before_any_thread",
+    # Compiles in new processes.
+    "test_compile_cache.py::test_processes_compile_from_the_node_caches_and_a_new_node_from_the_shared_copy",
     # Every documented command run; a 3-member TLS etcd as deployed.
     "test_docs_commands.py",
     "test_k8s_example.py::test_as_deployed_etcd_admits_only_tls_clients_with_a_certificate_and_the_jobs_password",

@@ -97,6 +97,7 @@ def test_bad_yaml_gets_one_clear_error(tmp_path, text, expected):
         ("elastic: {global_batch_size: 64}", r"set both elastic.global_batch_size and elastic.micro_batch_size"),
         ("elastic: {global_batch_size: 64, micro_batch_size: 5}", r"64 is not a multiple of elastic.micro_batch_size 5"),
         ("observability: {metrics_port: 70000}", r"observability.metrics_port: port 70000 is outside"),
+        ("compile: {share: true}\ncheckpoint: {dir: /tmp/ckpt}", r"job.yaml: compile.share: .*set compile.cache_dir and checkpoint.dir"),
     ],
 )
 def test_invalid_values_name_file_and_key(tmp_path, text, expected):

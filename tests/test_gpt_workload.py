@@ -25,7 +25,8 @@ RTOL = 1e-5
 def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(tmp_path, in_process):
     args = argparse.Namespace(nodes=3, nproc_per_node=1, scenario="kill", fault_node=2, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
-                              workload="gpt", gpt_size="tiny", compile="on", in_process=in_process)
+                              workload="gpt", gpt_size="tiny", compile="on", in_process=in_process,
+                              compile_cache="off" if in_process else "per-node")
     [run] = local_cluster.run_scenarios(args, tmp_path)
     assert (run["world_size_before"], run["world_size_after"]) == (3, 2), run
     # In-process, the survivors re-shard the FSDP2 model in the same processes and restore it.
@@ -35,8 +36,15 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
     assert run["compile_cold_s"] > 0, run
     if in_process:  # the compiled blocks live on, and a rank's batch keeps its shape: nothing compiles again
         assert (run["recompiles"], phases["compile"]) == (0, 0), run
-    else:  # a new process compiles again (from inductor's caches)
+    else:  # a new process compiles again, from the caches its agent kept for the node
         assert run["recompiles"] > 0 and phases["compile"] > 0, run
+        assert run["compile_warm_from"] == "local", run
+        events = read_events(tmp_path / "events.jsonl")
+        restarted = [e for e in events if e["event"] == "first_step_done" and e["restored_from"]]
+        cold = [e for e in events if e["event"] == "first_step_done" and not e["restored_from"]]
+        assert sorted(e["rank"] for e in restarted) == [0, 1] and len(cold) == 3, events
+        assert all(e["cache_misses"] > 0 and e["cache_hits"] == 0 for e in cold), cold
+        assert all(e["cache_misses"] == 0 and e["cache_hits"] > 0 for e in restarted), restarted
     assert abs(sum(phases.values()) - run["recovery_s"]) < 1e-6  # compile is carved out of first_step
     marks = read_events(tmp_path / "marks.jsonl")
     assert all(m["tokens"] == m["samples"] * 32 for m in marks)  # --seq-len 32 tokens per sequence
@@ -46,10 +54,11 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
 def test_a_joining_node_compiles_in_its_rehearsal_and_the_job_waits_for_no_compile(tmp_path):
     """In-process, a node joining the running job starts its worker first: the worker builds,
     shards and compiles the model in a round of its own (the script's warm-up) while the job
-    trains, then is handed the job's round. Nobody in that round compiles anything."""
+    trains, from the compile caches the leader shared, then is handed the job's round. Nobody
+    in that round compiles anything."""
     args = argparse.Namespace(nodes=2, nproc_per_node=1, scenario="join", fault_node=1, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
-                              workload="gpt", gpt_size="tiny", compile="on", in_process=True)
+                              workload="gpt", gpt_size="tiny", compile="on", in_process=True, compile_cache="per-node")
     [join] = local_cluster.run_scenarios(args, tmp_path)
     assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 2, "in_process"), join
     events = read_events(tmp_path / "events.jsonl")
@@ -61,6 +70,14 @@ def test_a_joining_node_compiles_in_its_rehearsal_and_the_job_waits_for_no_compi
     cold = [e for e in events if e["event"] == "first_step_done" and e["time"] < rehearsal["time"]]
     assert cold and all(e["compiled_graphs"] > 0 for e in cold), cold  # the counter counts: a cold start compiles
     assert join["recompiles"] == 0, join
+    # The new node's caches came from the copy the leader keeps beside the snapshots: its
+    # rehearsal compiled nothing from scratch.
+    shared = next(e for e in events if e["event"] == "compile_cache_shared")
+    assert shared["problem"] is None and shared["files"] > 0, shared
+    assert join["compile_warm_from"] == "snapshot", join
+    [warmup] = [e for e in events if e["event"] == "warmup_done"]
+    assert warmup["cache_misses"] == 0 and warmup["cache_hits"] > 0, warmup
+    assert join["compile_joined_s"] == warmup["compile_s"], join
 
 
 def train(tmp_path, name: str, steps: int, nproc: int, *extra: str) -> list[dict]:

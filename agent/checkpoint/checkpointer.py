@@ -221,7 +221,8 @@ class Checkpointer:
             self._first_step_pending = False
             self.events.record("first_step_done", step=step,
                                restored_from=str(self._restored_from) if self._restored_from else None,
-                               compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_restore)
+                               compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_restore,
+                               **torch_private.compile_stats())
         if step % self.interval_steps == 0:
             return self.save(step, app_state)
         if self.memory is not None and step % self.memory.interval_steps == 0:
