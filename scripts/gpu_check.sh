@@ -7,6 +7,8 @@
 # - the CUDA restore benchmark against plain host-to-device copies (docs/results/bench_cuda_restore.json);
 # - the save benchmark with the state on the GPU (pinned staging; target: torchrevive blocks
 #   <= 0.05 s per GB; docs/results/bench_save_cuda.json).
+# - the compiled GPT (examples/gpt/train.py, bf16 through FSDP2's mixed precision, NCCL) with its
+#   worker killed and restarted from its node's compile caches (docs/results/gpu_gpt_kill_worker.json).
 # Python: $PYTHON, else ${TORCHREVIVE_VENV:-.venv}/bin/python (set up by scripts/setup.sh with a CUDA
 # torch build, TORCH_SPEC=torch==2.13.0 from the CUDA index). SIZE_GB and REPEATS set the benchmarks' state size and rounds.
 set -uo pipefail
@@ -29,6 +31,8 @@ check "save benchmark on CUDA" "$py" scripts/bench_save.py --size-gb "${SIZE_GB:
     --json docs/results/bench_save_cuda.json
 check "staged save blocks <= 0.05 s/GB" "$py" -c "import json; r = json.load(open('docs/results/bench_save_cuda.json')); \
 s = r['torchrevive_blocking_s_per_gb']; print(f'staged save blocks {s:.3f} s/GB'); assert s <= 0.05, 'over 0.05 s/GB'"
+check "compiled GPT on CUDA (bf16, NCCL), its worker killed" "$py" scripts/local_cluster.py --nodes 1 \
+    --scenario kill-worker --workload gpt --compile on --compile-cache per-node --json docs/results/gpu_gpt_kill_worker.json
 if ((${#failed[@]})); then
     printf 'FAILED: %s\n' "${failed[@]}"
     exit 1

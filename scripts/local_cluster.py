@@ -755,7 +755,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--baseline and --chaos run --workload mlp only")
     if args.fault_node is None:
         args.fault_node = args.nodes - 1
-    if args.backend == "c10d" and args.fault_node == 0:
+    if args.backend == "c10d" and args.fault_node == 0 and args.scenario != "kill-worker":  # its agent lives on
         parser.error("--fault-node 0 hosts the c10d store: faulting it ends the job's rendezvous (use --backend etcd3)")
     return args
 

@@ -105,6 +105,19 @@ def test_a_resumed_gpt_trains_exactly_as_one_never_stopped(tmp_path):
     assert losses(resumed) == {step: straight[step] for step in (5, 6)}  # bit for bit: same data, same state
 
 
+def test_bf16_mixed_precision_trains_near_fp32_and_resumes_bit_for_bit(tmp_path):
+    """--precision bf16 (FSDP2's mixed precision: bf16 compute, float32 weights, optimizer state
+    and reductions), compiled: its losses differ from float32's by rounding alone, and a resume from
+    its float32 snapshot trains exactly as a run that never stopped."""
+    bf16 = ("--precision", "bf16", "--compile", "on")
+    straight = losses(train(tmp_path, "straight", 6, 2, *bf16))
+    fp32 = losses(train(tmp_path, "fp32", 6, 2, "--precision", "fp32", "--compile", "on"))
+    assert straight != fp32 and straight == pytest.approx(fp32, rel=2e-2), (straight, fp32)
+    train(tmp_path, "resumed", 4, 2, *bf16)
+    resumed = train(tmp_path, "resumed", 6, 2, *bf16)
+    assert resumed[0]["step"] == 5 and losses(resumed) == {step: straight[step] for step in (5, 6)}
+
+
 @pytest.mark.parametrize("later_ranks", [4, 2], ids=["same-layout", "fewer-ranks-tp-kept"])
 def test_gpt_with_tensor_parallelism_resumes(tmp_path, later_ranks):
     straight = losses(train(tmp_path, "straight", 6, 4, "--tp", "2"))

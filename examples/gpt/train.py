@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the world must be a multiple)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each block (auto: where a C compiler exists)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="bf16: compute in bfloat16 through FSDP2's mixed precision (weights, optimizer state "
+                             "and gradient reduction stay float32); auto: bf16 on a CUDA device that has it, else fp32")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--lr-decay-steps", type=int, default=None,
@@ -91,6 +94,13 @@ def compile_wanted(choice: str) -> bool:
     return choice == "on" or (choice == "auto" and shutil.which(os.environ.get("CC", "cc")) is not None)
 
 
+def mixed_precision(choice: str, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``--precision`` on ``device``: bf16 compute with float32 reductions, or
+    float32 throughout."""
+    bf16 = choice == "bf16" or (choice == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+
+
 def meshes(world_size: int, tp: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The data-parallel mesh, and the tensor-parallel one when ``tp`` > 1."""
     if tp < 1 or world_size % tp:
@@ -102,9 +112,10 @@ def meshes(world_size: int, tp: int, device_type: str) -> tuple[DeviceMesh, Devi
     return mesh["dp"], mesh["tp"]
 
 
-def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, compile_blocks: bool) -> None:
+def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, compile_blocks: bool,
+                precision: MixedPrecisionPolicy) -> None:
     """Tensor parallelism inside each block, then torch.compile per block, then FSDP2 (each block,
-    then the root), in torchtitan's order."""
+    then the root) with the ``precision`` policy, in torchtitan's order."""
     for block in model.layers:
         if tp_mesh is not None:
             if model.config.n_heads % tp_mesh.size():
@@ -117,18 +128,18 @@ def parallelize(model: GPT, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, com
             })
         if compile_blocks:
             block.compile(dynamic=False)  # in place: the state dict keeps its names; static shapes
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=precision)
+    fully_shard(model, mesh=dp_mesh, mp_policy=precision)
 
 
 def sharded_model(config: GPTConfig, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, compile_blocks: bool,
-                  device: torch.device) -> GPT:
+                  device: torch.device, precision: MixedPrecisionPolicy) -> GPT:
     """The model built on the meta device, parallelized, then given uninitialized storage of its
     own shards only (as torchtitan does): a restore or `initialize` sets every parameter, so a
     recovery spends no time initializing weights that are overwritten."""
     with torch.device("meta"):
         model = GPT(config)
-    parallelize(model, dp_mesh, tp_mesh, compile_blocks)
+    parallelize(model, dp_mesh, tp_mesh, compile_blocks, precision)
     model.to_empty(device=device)
     model.init_buffers()
     return model
@@ -191,6 +202,7 @@ def main() -> None:
     device = local_device(agent.WorkerContext.from_env())
     config = model_config(args)
     compiled = compile_wanted(args.compile)
+    precision = mixed_precision(args.precision, device)
     dataset = stdlib_windows(args.seq_len, args.data_bytes)
 
     def train(round: agent.Round) -> None:
@@ -200,11 +212,12 @@ def main() -> None:
         ctx = round.context
         compile_before, graphs_before = compile_seconds(), compiled_graphs()
         dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
-        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device)
+        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device, precision)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         if ctx.rank == 0:
             print(f"world_size={ctx.world_size} restart={ctx.restart_count} round={round.number} "
-                  f"params={count_parameters(model)} dp={dp_mesh.size()} tp={args.tp} compile={compiled}", flush=True)
+                  f"params={count_parameters(model)} dp={dp_mesh.size()} tp={args.tp} compile={compiled} "
+                  f"compute={precision.param_dtype or torch.float32}", flush=True)
 
         accum = ctx.grad_accum_steps
         dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -277,7 +290,7 @@ def main() -> None:
         if ctx.world_size % args.tp or args.global_batch_size % (ctx.world_size // args.tp * ctx.grad_accum_steps):
             return  # this node alone cannot hold the job's layout: it compiles in its first round
         dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
-        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device)
+        model = sharded_model(config, dp_mesh, tp_mesh, compiled, device, precision)
         micro = args.global_batch_size // (dp_mesh.size() * ctx.grad_accum_steps)
         tokens = torch.zeros((micro, args.seq_len), dtype=torch.long, device=device)
         model(tokens).float().mean().backward()
