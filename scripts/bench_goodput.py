@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from local_cluster import ClassicCluster, Cluster, Nodes
+from plot_goodput import write_beside
 from workloads import GPT_SIZES, WORKLOADS, workload_of
 from local_ports import free_port
 from nvrx_cluster import NvrxCluster
@@ -382,7 +383,9 @@ def main() -> None:
             results[name]["loss_vs_fault_free"] = loss_vs_fault_free(results[name]["losses"], reference["losses"])
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(report(args, schedule, results, work if keep else None), indent=2))
+        written = report(args, schedule, results, work if keep else None)
+        Path(args.json).write_text(json.dumps(written, indent=2))
+        print(f"picture: {write_beside(Path(args.json), written)}", flush=True)
 
 
 def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, dict[str, Any]],

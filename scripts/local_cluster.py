@@ -94,6 +94,7 @@ from workloads import (
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
+from agent.report_plot import draw_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 48
@@ -793,6 +794,8 @@ def main() -> None:
                 report[f"speedup_vs_{key}"] = base["recovery_s"] / runs[0]["recovery_s"]
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+        if (work / "events.jsonl").exists():  # the job's timeline beside its figures
+            Path(args.json).with_suffix(".svg").write_text(draw_timeline(read_events(work / "events.jsonl")))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 

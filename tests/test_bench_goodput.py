@@ -169,6 +169,11 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
     assert len(sources) >= 2 and set(sources) <= {"memory", "storage"}, sources
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers
+    # The picture beside the JSON: a line of steps per approach, and their losses below.
+    svg = ElementTree.parse(work.parent / "goodput.svg").getroot()
+    lines = list(svg.iter("{http://www.w3.org/2000/svg}polyline"))
+    logged = [name for name, result in report["results"].items() if result.get("losses")]
+    assert len(lines) == len(report["results"]) + len(logged) and "fault_free" in logged, logged
 
 
 def test_in_process_survivors_go_on_from_the_step_they_held(short_run):
@@ -205,10 +210,21 @@ def test_the_picture_draws_each_approach_and_each_fault():
                                  "timeline": [[0.0, 5, 3], [10.0, 15, 3], [14.0, 12, 2], [30.0, 30, 3]]}
                           for name, goodput in (("fault_free", 1.0), ("torchft", 0.9))}}
     svg = ElementTree.fromstring(draw(report))  # well-formed
-    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    lines = list(svg.iter("{http://www.w3.org/2000/svg}polyline"))
     assert len(lines) == 2 and lines[0].get("stroke") != lines[1].get("stroke")
     texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
     assert "kill 1" in texts and "rejoin 1" in texts and "torchft (goodput 0.900)" in texts
+    assert "step" not in texts  # no losses logged: no loss panel
+    # With losses (the GPT's), a second panel: each approach's loss against the step, a step run
+    # twice drawn with its last value, and a diverged (NaN) step left out.
+    report["results"]["fault_free"]["losses"] = [[1, 5.0], [2, 4.0], [3, 3.0]]
+    report["results"]["torchft"]["losses"] = [[1, 5.0], [2, 4.5], [2, 4.0], [3, float("nan")]]
+    svg = ElementTree.fromstring(draw(report))
+    losses = [line for line in svg.iter("{http://www.w3.org/2000/svg}polyline") if line.get("class") == "loss"]
+    assert [len(line.get("points").split()) for line in losses] == [3, 2]
+    assert losses[0].get("points").split()[1] == losses[1].get("points").split()[1]  # torchft's step 2: 4.0
+    assert int(svg.get("height")) == 2 * int(ElementTree.fromstring(draw({**report, "results": {
+        "torchft": {**report["results"]["torchft"], "losses": []}}})).get("height"))
 
 
 def test_the_gpt_runs_only_where_its_script_does():

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
+from xml.etree import ElementTree
 
 import torch
-from conftest import REPO, free_port
+from conftest import REPO, free_port, worker_env
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
@@ -182,3 +184,18 @@ def _round_of_three_that_trained(events: list[dict]) -> list[dict] | None:
     formed = max(e["time"] for e in current)
     trained = any(e["event"] == "save_committed" and e["time"] > formed for e in events)
     return current if len(current) == 3 and trained else None
+
+
+def test_the_harness_writes_its_figures_and_the_jobs_timeline_beside_them(tmp_path):
+    """`local_cluster.py --json out.json` (as docs/measurements.md runs it) leaves out.json and,
+    beside it, out.svg: the job's rounds, the failure and the recovery by phase."""
+    out = tmp_path / "kill.json"
+    done = subprocess.run([sys.executable, "scripts/local_cluster.py", "--nodes", "2", "--state-mb", "1",
+                           "--scenario", "kill", "--timeout", "120", "--json", str(out)],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())["torchrevive"]
+    assert (run["world_size_before"], run["world_size_after"]) == (2, 1), run
+    svg = ElementTree.parse(tmp_path / "kill.svg").getroot()
+    classes = [element.get("class") for element in svg.iter()]
+    assert classes.count("failure") == 1 and classes.count("recovery") >= 1 and "round" in classes, classes
