@@ -3,8 +3,11 @@ torch.distributed.elastic, the dynamic rendezvous's state, state holder and oper
 (the prompt re-rendezvous, the membership watch, the node ledger, etcd3's round state and outage
 tolerance), the agent's health check and store binding, and the worker processes' handler factory
 (warm workers); in torch.distributed.tensor, the strided shard placement of FSDP2 over tensor
-parallelism; in torch.distributed, the abort of process groups and the counter that names them.
-Nothing else in the package names a private torch attribute or class.
+parallelism; in torch.distributed, the abort of process groups and the counter that names them;
+dynamo's compile counters. Nothing else in the package names a private torch attribute or class,
+except the private methods and attributes that subclasses of torch's classes override, call or
+read as their own (``self._...``): :data:`PRIVATE_METHODS` and :data:`PRIVATE_ATTRIBUTES` list
+them all, and a test checks the list against the code and against torch's signatures.
 
 Each was read in torch 2.13, the only torch the package declares and tests (``torch>=2.13,<2.14``);
 another torch warns once, at import, because these names may have changed there (the tests then
@@ -50,6 +53,44 @@ __all__ = ["DistributedRendezvousOpExecutor", "NodeDesc", "RendezvousAction", "R
 
 READ_IN = (2, 13)
 """The torch (major, minor) whose private code this module was written against."""
+
+_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
+_OP_EXECUTOR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous._DistributedRendezvousOpExecutor"
+_SUBPROCESS_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler.SubprocessHandler"
+
+PRIVATE_METHODS: dict[str, dict[str, str]] = {
+    _AGENT: {  # RecoveryAgent overrides the first seven (torch's run loop calls them) and calls the rest
+        "_initialize_workers": "(self, worker_group: torch.distributed.elastic.agent.server.api.WorkerGroup) -> None",
+        "_invoke_run": "(self, role: str = 'default') -> torch.distributed.elastic.agent.server.api.RunResult",
+        "_monitor_workers": "(self, worker_group: 'WorkerGroup') -> 'RunResult'",
+        "_rendezvous": "(self, worker_group: torch.distributed.elastic.agent.server.api.WorkerGroup) -> None",
+        "_setup_healthcheck": "(self) -> 'None'",
+        "_start_workers": "(self, worker_group: 'WorkerGroup') -> 'dict[int, Any]'",
+        "_stop_workers": "(self, worker_group: 'WorkerGroup') -> 'None'",
+        "_shutdown": "(self, death_sig: 'signal.Signals' = <Signals.SIGTERM: 15>, timeout: 'int' = 30) -> 'None'",
+        "_exit_barrier": "(self)",
+        "_get_alive_time": "(self) -> 'int'",
+    },
+    _OP_EXECUTOR: {  # PromptOpExecutor overrides it
+        "_record": "(self, message: str, node_state: torch.distributed.elastic.events.api.NodeState = "
+                   "<NodeState.RUNNING: 'RUNNING'>) -> None",
+    },
+    _SUBPROCESS_HANDLER: {  # the warm workers' handlers override it
+        "_popen": "(self, args: tuple, env: dict[str, str]) -> subprocess.Popen",
+    },
+}
+"""Every private method of a torch class that a subclass here overrides (torch calls it, so its
+signature is a contract) or that the package calls, with its signature in torch 2.13
+(``tests/test_torch_private.py`` fails where torch's differs)."""
+
+PRIVATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    _AGENT: ("_exit_barrier", "_pcontext", "_remaining_restarts", "_shutdown", "_worker_group"),
+    _OP_EXECUTOR: ("_keep_alive", "_node", "_settings", "_state", "_state_holder"),
+    _SUBPROCESS_HANDLER: ("_stderr", "_stdout"),
+}
+"""The private attributes of those classes that the subclasses (RecoveryAgent, PromptOpExecutor,
+the warm workers' handlers) read or set as ``self._...`` (``_remaining_restarts`` becomes a
+property of RecoveryAgent)."""
 
 
 def _version() -> tuple[int, int]:

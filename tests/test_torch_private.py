@@ -4,6 +4,8 @@ checks the torch version; the declared torch requirement is the one torch that i
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -47,3 +49,53 @@ def test_the_declared_torch_is_the_tested_one():
     major, minor = torch_private.READ_IN
     assert f'"torch>={major}.{minor},<{major}.{minor + 1}"' in pyproject
     assert torch.__version__.startswith(f"{major}.{minor}.")
+
+
+SUBCLASSES = {  # module of the package -> (its subclasses of torch's classes, their torch base)
+    "agent/recovery_agent.py": ("RecoveryAgent",),
+    "agent/rendezvous/prompt.py": ("PromptOpExecutor",),
+    "agent/warm_workers.py": ("SpawnedSubprocessHandler", "WarmSubprocessHandler"),
+}
+
+
+def torch_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_torchs_private_methods_have_the_signatures_the_package_was_written_against():
+    from agent.torch_private import PRIVATE_METHODS
+
+    differ = {f"{path}.{name}": (str(inspect.signature(getattr(torch_class(path), name))), recorded)
+              for path, methods in PRIVATE_METHODS.items() for name, recorded in methods.items()
+              if str(inspect.signature(getattr(torch_class(path), name))) != recorded}
+    assert not differ, differ
+
+
+def test_every_private_method_overridden_or_attribute_used_by_a_subclass_is_listed():
+    """Computed from the code: each private method a subclass defines that its torch base has, and
+    each ``self._name`` a subclass's module uses that torch's base class uses too."""
+    from agent.torch_private import PRIVATE_ATTRIBUTES, PRIVATE_METHODS
+
+    listed_methods = {name for methods in PRIVATE_METHODS.values() for name in methods}
+    listed_attributes = {name for names in PRIVATE_ATTRIBUTES.values() for name in names}
+    bases = {path: torch_class(path) for path in PRIVATE_METHODS}
+    unlisted = []
+    for module_path, class_names in SUBCLASSES.items():
+        module = importlib.import_module(module_path[:-3].replace("/", "."))
+        for class_name in class_names:
+            cls = getattr(module, class_name)
+            base = next(b for b in bases.values() if issubclass(cls, b))
+            base_source = "".join(inspect.getsource(k) for k in base.__mro__ if k.__module__.startswith("torch."))
+            for name, value in vars(cls).items():
+                if name.startswith("_") and not name.startswith("__") and callable(value) and hasattr(base, name) \
+                        and name not in listed_methods:
+                    unlisted.append(f"{class_name}.{name} (method)")
+            used = set(re.findall(r"self\.(_[a-z][a-z0-9_]*)", (REPO / module_path).read_text()))
+            unlisted += [f"{class_name}: self.{name}" for name in sorted(used - listed_attributes - listed_methods)
+                         if re.search(rf"self\.{name}\b", base_source)]
+    assert not unlisted, unlisted
+    # And each listed attribute is still torch's.
+    for path, names in PRIVATE_ATTRIBUTES.items():
+        source = "".join(inspect.getsource(k) for k in torch_class(path).__mro__ if k.__module__.startswith("torch."))
+        assert all(re.search(rf"self\.{name}\b", source) for name in names), (path, names)
