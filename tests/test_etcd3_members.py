@@ -62,6 +62,26 @@ def test_keep_alives_put_nothing_and_a_leaving_node_is_not_lapsed(etcd):
         handler._stop_heartbeats()
 
 
+def test_a_handler_shut_down_stops_refreshing_its_lease(etcd):
+    """torch shuts the handler down as the agent ends: its lease's refresher and its members' watch
+    end with it, instead of calling etcd for as long as the process lives."""
+    handler = create_etcd3_handler(RendezvousParameters(
+        backend="etcd3", endpoint=etcd.endpoint, run_id="alone", min_nodes=1, max_nodes=1, local_addr="127.0.0.1",
+        keep_alive_interval=1, keep_alive_max_attempt=3, last_call_timeout=1, join_timeout=30))
+
+    def ours() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name in ("torchrevive-etcd3-lease", "torchrevive-etcd3-members")}
+
+    others = ours()  # of handlers earlier tests left running
+    handler.next_rendezvous()
+    mine = ours() - others
+    assert sorted(t.name for t in mine) == ["torchrevive-etcd3-lease", "torchrevive-etcd3-members"]
+    assert handler.shutdown() is True
+    for thread in mine:
+        thread.join(timeout=5)
+    assert not any(t.is_alive() for t in mine)
+
+
 def test_the_heartbeat_layout_option_is_checked():
     assert heartbeat_layout(params("127.0.0.1:1")) == "keys"
     assert heartbeat_layout(params("127.0.0.1:1", heartbeats="keys")) == "keys"

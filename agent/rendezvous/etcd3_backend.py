@@ -70,7 +70,7 @@ PASSWORD_ENV = "TORCHREVIVE_ETCD_PASSWORD"
 
 
 class Etcd3Lease:
-    """This agent's lease, created on first use and refreshed in the background."""
+    """This agent's lease, created on first use and refreshed in the background until :meth:`close`."""
 
     def __init__(self, connection: Etcd3Connection, ttl: int) -> None:
         self._connection = connection
@@ -79,6 +79,16 @@ class Etcd3Lease:
         self._lock = threading.Lock()
         """Guards _lease and _refresher; never held while etcd is called (its retries last up to read_timeout)."""
         self._refresher: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        """Stop refreshing (the lease then expires within its TTL, and the keys on it with it: the
+        agent is done). Waits for the refresher to end unless it is mid-call (it ends after)."""
+        self._closed.set()
+        with self._lock:
+            refresher = self._refresher
+        if refresher is not None:
+            refresher.join(timeout=1.0)
 
     def get(self) -> Any:
         with self._lock:
@@ -94,8 +104,7 @@ class Etcd3Lease:
             return self._lease
 
     def _refresh(self) -> None:
-        while True:
-            time.sleep(self._ttl / 3)
+        while not self._closed.wait(self._ttl / 3):
             with self._lock:
                 lease = self._lease
             if lease is None:
@@ -374,7 +383,24 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
         backend.bind_node(torch_private.this_node(handler))
     CheckedBackend.install(handler, f"the etcd key {backend.key} (at {params.endpoint})")
     _tolerate_outages(handler, connection)
+    _release_on_shutdown(handler, [lease.close, *([backend.close] if isinstance(backend, Etcd3MembersBackend) else [])])
     return handler
+
+
+def _release_on_shutdown(handler: DynamicRendezvousHandler, closers: list[Callable[[], None]]) -> None:
+    """After torch's shutdown of the handler (the agent's end), stop this handler's own threads: the
+    lease's refresher and the members' watch no longer call etcd. (The etcd3 client's own watch
+    thread stays, idle: it ends only with an error when its channel closes.)"""
+    shutdown = handler.shutdown
+
+    def shutdown_then_release() -> bool:
+        try:
+            return shutdown()
+        finally:
+            for close in closers:
+                close()
+
+    handler.shutdown = shutdown_then_release  # type: ignore[method-assign]
 
 
 def heartbeat_layout(params: RendezvousParameters) -> str:

@@ -100,6 +100,17 @@ class MembersMirror:
         self._synced = False
         self._callbacks: list[Callable[[], None]] = []
         self._started = False
+        self._closed = threading.Event()
+        self._cancel: Callable[[], None] | None = None
+        """Ends the watch under way, if one is."""
+
+    def close(self) -> None:
+        """Stop following the prefix: the watch is cancelled and its thread ends (reads go to etcd)."""
+        self._closed.set()
+        with self._changed:
+            cancel, self._synced = self._cancel, False
+        if cancel is not None:
+            cancel()
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the watch's thread) after every change the watch applies."""
@@ -156,7 +167,7 @@ class MembersMirror:
             self._round, self._round_revision, self._nodes, self._revision = round_value, round_revision, nodes, revision
 
     def _follow_forever(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 self._connection.call(self._follow)
             except RendezvousError:  # etcd unreachable for read_timeout: keep trying; reads go to etcd meanwhile
@@ -165,7 +176,7 @@ class MembersMirror:
                 logger.warning("the etcd watch on %s failed; re-establishing", self._prefix, exc_info=True)
             with self._changed:
                 self._synced = False
-            time.sleep(0.5)
+            self._closed.wait(0.5)
 
     def _follow(self, client: Any) -> None:
         """Load the prefix, then apply every change from the next revision on (until the watch breaks)."""
@@ -174,12 +185,16 @@ class MembersMirror:
             start = self._revision + 1
         responses, cancel = client.watch_prefix_response(self._prefix, start_revision=start)
         with self._changed:
-            self._synced = True
+            self._synced, self._cancel = True, cancel
             self._changed.notify_all()
         try:
+            if self._closed.is_set():
+                return  # closed while the watch started
             for response in responses:
                 self._apply(response.events)
         finally:
+            with self._changed:
+                self._synced, self._cancel = False, None
             cancel()
 
     def _apply(self, events: Any) -> None:
@@ -280,6 +295,10 @@ class Etcd3MembersBackend(RendezvousBackend):
     def key(self) -> str:
         """The etcd key the round is kept under."""
         return self._mirror.round_key
+
+    def close(self) -> None:
+        """Stop mirroring the members (the agent is done)."""
+        self._mirror.close()
 
     def bind_node(self, node: str) -> None:
         """The handler's own node (torch's ``addr_pid_localid``)."""
