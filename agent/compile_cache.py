@@ -9,9 +9,11 @@ placed on a volume, the container), and whose contents belong to this job's node
 With ``compile.share`` the round's leader packs that directory, after a commit, when its
 contents changed since its last pack, into one archive beside the job's snapshots
 (``<checkpoint.dir>/compile_cache/``: ``<sha256>.tar`` and ``current.json`` naming it; the one
-before stays for a reader that read the older pointer). A node whose own caches are empty unpacks
-it before its workers start: a node that joins, or replaces a lost one, compiles from the job's
-caches. Precompiled headers stay out (hundreds of MB; only a compile of new kernels reads them).
+before stays for a reader that read the older pointer) and, with the memory tier, into its memory
+directory, which its data plane serves to peers. A node whose own caches are empty, one that joins
+or replaces a lost one, fills them before its workers start: from a peer over the data plane
+(authenticated by the job's secret) where it can, else from the checkpoint directory. Precompiled
+headers stay out (hundreds of MB; only a compile of new kernels reads them).
 
 Why a directory and not ``torch.compiler.save_cache_artifacts``: on CPU those artifacts carry no
 compiled C++ kernels, so a process that loaded them still compiled every kernel (measured on a
@@ -20,10 +22,10 @@ compiled C++ kernels, so a process that loaded them still compiled every kernel 
 Cache entries are code the workers import and run (Python modules, shared objects). Nothing is
 kept or shared unless the job asks. An archive is taken only when its bytes match the digest its
 pointer names and its torch version is the workers', and it is unpacked with tarfile's ``data``
-filter (nothing outside the directory, no links, no devices) within a size cap; one that fails
-is skipped, with the reason in the ``compile_cache_ready`` event, and the workers compile from
-scratch. These checks stop torn and corrupt archives, not someone who can write the checkpoint
-directory: ``share`` trusts them.
+filter (nothing outside the directory, no links, no devices) within a size cap, wherever it came
+from; one that fails is skipped, with the reason in the ``compile_cache_ready`` event, and the
+workers compile from scratch. These checks stop torn and corrupt archives, not someone who can
+write the checkpoint directory or who holds the job's secret: ``share`` trusts them.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class CompileCacheError(Exception):
 @dataclass(frozen=True)
 class Ready:
     """What a node's workers compile from: ``warm_from`` is ``local`` (the node's own caches),
-    ``snapshot`` (unpacked from the checkpoint directory's archive) or ``none``."""
+    ``peer`` (a peer's archive, over the data plane), ``snapshot`` (the checkpoint directory's) or
+    ``none``; ``problem``: why a source that was tried was not taken."""
 
     warm_from: str
     files: int
@@ -83,13 +86,20 @@ class Shared:
     seconds: float
 
 
+PeerFetch = Callable[[Path], None]
+"""Copies a peer's shared caches (:func:`fetch_shared`) into a folder; CompileCacheError when it cannot."""
+
+
 class CompileCache:
     """One node's compile caches: ``directory`` (``compile.cache_dir``) and, with ``share``, the
-    checkpoint directory ``checkpoint_dir`` whose archive it packs and unpacks."""
+    checkpoint directory ``checkpoint_dir`` whose archive it packs and unpacks, and the folder its
+    data plane serves (``served``, the memory directory) where a copy goes for peers."""
 
-    def __init__(self, directory: str | os.PathLike[str], checkpoint_dir: str | None, *, share: bool) -> None:
+    def __init__(self, directory: str | os.PathLike[str], checkpoint_dir: str | None, *, share: bool,
+                 served: Path | None = None) -> None:
         self.caches = Path(directory).resolve() / "inductor"
         self.shared = Path(checkpoint_dir) / SHARED_DIR if share and checkpoint_dir else None
+        self.served = served / SHARED_DIR if self.shared is not None and served is not None else None
         self._packed: int | None = None
         """The fingerprint of the contents last packed."""
         self._packing: threading.Thread | None = None
@@ -98,20 +108,33 @@ class CompileCache:
         """The variables that point a worker's inductor caches here."""
         return {INDUCTOR_CACHE_DIR: str(self.caches)}
 
-    def prepare(self) -> Ready:
+    def prepare(self, from_peer: PeerFetch | None = None) -> Ready:
         """Before this node's workers start: its own caches when it has any, else (with
-        ``share``) the job's archive unpacked into them."""
+        ``share``, once the job has shared its caches) a peer's archive (``from_peer``) or the
+        checkpoint directory's unpacked into them."""
         started = time.monotonic()
         files, size = contents(self.caches)
         if files:
             return Ready("local", files, size, time.monotonic() - started)
         if self.shared is None:
             return Ready("none", 0, 0, time.monotonic() - started)
+        problem = None
+        if from_peer is not None and (self.shared / POINTER_FILE).exists():  # the job has shared caches: ask a peer
+            incoming = Path(tempfile.mkdtemp(dir=_made(self.caches.parent), prefix=".peer-incoming-"))
+            try:
+                from_peer(incoming)
+                files, size = unpack(incoming, self.caches)
+                if files:
+                    return Ready("peer", files, size, time.monotonic() - started)
+            except CompileCacheError as exc:
+                problem = f"from a peer: {exc}"
+            finally:
+                shutil.rmtree(incoming, ignore_errors=True)
         try:
             files, size = unpack(self.shared, self.caches)
         except CompileCacheError as exc:
-            return Ready("none", 0, 0, time.monotonic() - started, problem=str(exc))
-        return Ready("snapshot" if files else "none", files, size, time.monotonic() - started)
+            return Ready("none", 0, 0, time.monotonic() - started, problem="; ".join(filter(None, [problem, str(exc)])))
+        return Ready("snapshot" if files else "none", files, size, time.monotonic() - started, problem=problem)
 
     def share_if_changed(self, on_done: Callable[[Shared | None, str | None], None]) -> None:
         """(The round's leader, after a commit.) Pack this node's caches in the background when
@@ -128,9 +151,9 @@ class CompileCache:
         if fingerprint is None or fingerprint == self._packed:
             return
         try:
-            result = pack(self.caches, shared)
+            result = pack(self.caches, [shared, *([self.served] if self.served else [])])
         except OSError as exc:
-            on_done(None, f"{shared}: cannot keep this node's compile caches there: {exc}")
+            on_done(None, f"cannot keep this node's compile caches beside the snapshots: {exc}")
             return
         self._packed = fingerprint
         on_done(result, None)
@@ -146,10 +169,12 @@ def contents(caches: Path) -> tuple[int, int]:
     return files, size
 
 
-def pack(caches: Path, shared: Path) -> Shared:
-    """Write ``caches`` (less :data:`LEFT_OUT`) as ``shared/<sha256>.tar`` and point
-    ``shared/current.json`` at it; archives older than the one it replaces go."""
+def pack(caches: Path, destinations: list[Path]) -> Shared:
+    """Write ``caches`` (less :data:`LEFT_OUT`) as ``<sha256>.tar`` into each of ``destinations``
+    (packed once, into the first) and point its ``current.json`` at it; archives older than the one
+    it replaces go."""
     started = time.monotonic()
+    shared = destinations[0]
     shared.mkdir(parents=True, exist_ok=True)
     fd, incoming = tempfile.mkstemp(dir=shared, prefix=".incoming-", suffix=".tar")
     files = 0
@@ -171,15 +196,50 @@ def pack(caches: Path, shared: Path) -> Shared:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(incoming)
         raise
+    pointer = json.dumps({"archive": name, "sha256": digest, "bytes": size, "files": files, "torch": torch.__version__})
+    for destination in destinations:
+        if destination != shared:
+            destination.mkdir(parents=True, exist_ok=True)
+            _copy_new(shared / name, destination / name)
+        _point(destination, name, pointer)
+    return Shared(name, size, files, time.monotonic() - started)
+
+
+def _copy_new(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` (unless it is there: archives are named by their bytes)."""
+    if target.exists():
+        return
+    incoming = target.with_name(f".incoming-{os.getpid()}-{target.name}")
+    shutil.copyfile(source, incoming)
+    os.replace(incoming, target)
+
+
+def _point(shared: Path, name: str, pointer: str) -> None:
+    """Make ``shared/current.json`` the ``pointer`` to ``name``; archives before the one it named go."""
     previous = _pointed(shared)
-    write_file(shared / POINTER_FILE, json.dumps({"archive": name, "sha256": digest, "bytes": size, "files": files,
-                                                   "torch": torch.__version__}))
+    write_file(shared / POINTER_FILE, pointer)
     for old in shared.glob("*.tar"):
         if old.name not in (name, previous):
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
     fsync_dir(shared)
-    return Shared(name, size, files, time.monotonic() - started)
+
+
+def fetch_shared(get: Callable[..., int], into: Path) -> None:
+    """Copy a peer's shared caches into ``into`` with ``get(path, destination, max_bytes=...)`` (a
+    :class:`~agent.memory.peer_files.PeerFileClient`'s): its pointer, then the archive the pointer
+    names. :func:`unpack` checks them as it checks the checkpoint directory's."""
+    get(f"{SHARED_DIR}/{POINTER_FILE}", into / POINTER_FILE, max_bytes=1 << 16)
+    name = _pointed(into)
+    if not isinstance(name, str) or not _ARCHIVE_NAME.match(name):
+        raise CompileCacheError(f"the peer's {SHARED_DIR}/{POINTER_FILE} names no archive of this form (<sha256>.tar)")
+    get(f"{SHARED_DIR}/{name}", into / name, max_bytes=MAX_ARCHIVE_BYTES)
+
+
+def _made(path: Path) -> Path:
+    """``path``, made (with its parents) if it was not there."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def unpack(shared: Path, caches: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> tuple[int, int]:
@@ -210,8 +270,7 @@ def unpack(shared: Path, caches: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES) ->
     if digest != pointer["sha256"]:
         raise CompileCacheError(f"{archive}: its bytes do not match the digest {pointer_file} names (torn or "
                                 "corrupt); the workers compile from scratch")
-    caches.parent.mkdir(parents=True, exist_ok=True)
-    incoming = Path(tempfile.mkdtemp(dir=caches.parent, prefix=".inductor-incoming-"))
+    incoming = Path(tempfile.mkdtemp(dir=_made(caches.parent), prefix=".inductor-incoming-"))
     try:
         files, unpacked = _extract(archive, incoming, max_bytes)
         with contextlib.suppress(OSError):

@@ -54,13 +54,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from agent import health, regroup, rehearsal, torch_private, worker
 from agent.commit_notice import read_notice
-from agent.compile_cache import CompileCache, Shared
+from agent.compile_cache import CompileCache, CompileCacheError, Shared, fetch_shared
 from agent.config import ConfigError, JobConfig
 from agent.errors import RestoreError, StaleRoundError
 from agent.events import EventLog, Metrics
 from agent.liveness import PeerLiveness
 from agent.membership import Change, MembershipWatch
 from agent.memory.layout import MemorySnapshot
+from agent.memory.peer_files import PeerError
 from agent.memory.run_dir import DEFAULT_BASE
 from agent.memory.tier import MemoryTier
 from agent.recovery_states import ConfirmLoss, DeferJoin, Fail, Finish, Recover, RecoveryMachine
@@ -147,7 +148,8 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory_buddy = ""
         self._restore_source = "storage"
         self._warm = self._start_warm_process() if job.launch.warm_workers else None
-        self._compile_cache = CompileCache(job.compile.cache_dir, job.checkpoint.dir, share=job.compile.share) \
+        self._compile_cache = CompileCache(job.compile.cache_dir, job.checkpoint.dir, share=job.compile.share,
+                                           served=self._memory.root if self._memory else None) \
             if job.compile.cache_dir else None
         self._shared_commit: float | None = None
         """The time of the last commit after which this node's compile caches were offered for sharing."""
@@ -575,7 +577,8 @@ class RecoveryAgent(LocalElasticAgent):
             return handlers[-1]
 
         if self._compile_cache is not None:
-            self.events.record("compile_cache_ready", **asdict(self._compile_cache.prepare()))
+            from_peer = self._compile_cache_from_peer if self._memory is not None else None
+            self.events.record("compile_cache_ready", **asdict(self._compile_cache.prepare(from_peer)))
         if self._warm is not None:
             reap_orphans(keep={self._warm.pid})
         # The round's variables go into each worker's own environment: setting them in the
@@ -587,6 +590,24 @@ class RecoveryAgent(LocalElasticAgent):
             self._warm.close()  # gone, or made for another environment: a new one for the next round
             self._warm = self._start_warm_process()
         return pids, self._spawn_reason(handlers)
+
+    def _compile_cache_from_peer(self, into: Path) -> None:
+        """Copy a peer's shared compile caches into ``into`` over the memory tier's data plane: from
+        another node of this node's round or, before its first (a joining node rehearsing), of the
+        round under way."""
+        assert self._memory is not None, "the data plane is the memory tier's"
+        handler = self._worker_group.spec.rdzv_handler
+        if not isinstance(handler, DynamicRendezvousHandler):
+            raise CompileCacheError(f"peers are found through torch's dynamic rendezvous, not {type(handler).__name__}")
+        round, exclude = self._round, self._worker_group.group_rank
+        try:
+            if round is None:
+                with torch_private.synced_state(handler) as holder:
+                    round, exclude = holder.state.round, None
+            self._memory.from_peers(torch_private.rendezvous_store(handler), round,
+                                    lambda client: fetch_shared(client.get, into), exclude=exclude)
+        except (PeerError, RendezvousError, OSError, ValueError) as exc:
+            raise CompileCacheError(str(exc)) from None
 
     def _rehearse_join(self) -> None:
         """Before a node joins a running job with in-process rounds, its workers rehearse

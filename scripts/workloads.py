@@ -81,7 +81,7 @@ def compile_cold_s(marks: list[dict]) -> float | None:
     return None if first is None else first.get("compile_s")
 
 
-WARMTH = ("none", "snapshot", "local")
+WARMTH = ("none", "snapshot", "peer", "local")
 """What a node's workers compile from (the agent's ``compile_cache_ready``), coldest first."""
 
 

@@ -17,7 +17,18 @@ import pytest
 import torch
 from conftest import worker_env
 
-from agent.compile_cache import POINTER_FILE, SHARED_DIR, CompileCache, CompileCacheError, Shared, pack, unpack
+from agent.compile_cache import (
+    POINTER_FILE,
+    SHARED_DIR,
+    CompileCache,
+    CompileCacheError,
+    PeerFetch,
+    Shared,
+    fetch_shared,
+    pack,
+    unpack,
+)
+from agent.memory.peer_files import PeerError, PeerFileClient, PeerFileServer
 
 COMPILE = """
 import json, torch
@@ -86,18 +97,19 @@ def caches_with(root: Path, files: dict[str, bytes]) -> Path:
 
 def test_a_pack_points_at_the_new_archive_and_keeps_the_one_before(tmp_path):
     caches = caches_with(tmp_path / "node", {"fxgraph/a/entry": b"1" * 100, "aotautograd/b/entry": b"2"})
-    shared = tmp_path / "checkpoints" / SHARED_DIR
-    first = pack(caches, shared)
+    shared, served = tmp_path / "checkpoints" / SHARED_DIR, tmp_path / "memory" / SHARED_DIR
+    first = pack(caches, [shared, served])
     (caches / "fxgraph/c").mkdir()
     (caches / "fxgraph/c/entry").write_bytes(b"3")
-    second = pack(caches, shared)
+    second = pack(caches, [shared, served])
     (caches / "fxgraph/d").mkdir()
     (caches / "fxgraph/d/entry").write_bytes(b"4")
-    third = pack(caches, shared)
-    pointer = json.loads((shared / POINTER_FILE).read_text())
-    assert (pointer["archive"], pointer["files"], pointer["torch"]) == (third.archive, 4, torch.__version__)
-    assert hashlib.sha256((shared / third.archive).read_bytes()).hexdigest() == pointer["sha256"]
-    assert sorted(p.name for p in shared.glob("*.tar")) == sorted([second.archive, third.archive])
+    third = pack(caches, [shared, served])
+    for folder in (shared, served):  # the checkpoint dir's copy, and the one the data plane serves
+        pointer = json.loads((folder / POINTER_FILE).read_text())
+        assert (pointer["archive"], pointer["files"], pointer["torch"]) == (third.archive, 4, torch.__version__)
+        assert hashlib.sha256((folder / third.archive).read_bytes()).hexdigest() == pointer["sha256"]
+        assert sorted(p.name for p in folder.glob("*.tar")) == sorted([second.archive, third.archive])
     assert first.archive not in {second.archive, third.archive}
     assert unpack(shared, tmp_path / "other" / "inductor") == (4, 103)
     assert (tmp_path / "other" / "inductor" / "fxgraph/d/entry").read_bytes() == b"4"
@@ -187,3 +199,60 @@ def test_without_share_a_node_uses_its_own_caches_only(tmp_path):
     assert cache.environment() == {"TORCHINDUCTOR_CACHE_DIR": str((tmp_path / "node").resolve() / "inductor")}
     caches_with(tmp_path / "node", {"fxgraph/mine": b"m"})
     assert cache.prepare().warm_from == "local"
+
+
+SECRET = b"c" * 32
+
+
+def served_by_peer(root: Path) -> tuple[PeerFileServer, PeerFetch]:
+    """A peer's data plane serving ``root`` in round 3, and a fetch from it as an agent makes one."""
+    server = PeerFileServer(root, SECRET, host="127.0.0.1")
+    server.round = 3
+
+    def from_peer(into: Path) -> None:
+        try:
+            with PeerFileClient(server.address, SECRET, round=3) as client:
+                fetch_shared(client.get, into)
+        except PeerError as exc:
+            raise CompileCacheError(str(exc)) from None
+
+    return server, from_peer
+
+
+def test_a_node_with_empty_caches_takes_a_peers_over_the_data_plane_before_the_checkpoint_dirs(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    leader = CompileCache(tmp_path / "leader", str(checkpoints), share=True, served=tmp_path / "leader-memory")
+    caches_with(leader.caches.parent, {"fxgraph/a/entry": b"a" * 10, "aotautograd/b/entry": b"b"})
+    # Before the job shared any caches (its first round), no peer is asked.
+    early = CompileCache(tmp_path / "early", str(checkpoints), share=True)
+    assert early.prepare(lambda into: pytest.fail("a peer asked before the job shared its caches")).warm_from == "none"
+    shared, problem = share(leader)
+    assert problem is None and (tmp_path / "leader-memory" / SHARED_DIR / shared.archive).exists()
+    server, from_peer = served_by_peer(tmp_path / "leader-memory")
+    try:
+        joining = CompileCache(tmp_path / "joining", str(checkpoints), share=True)
+        ready = joining.prepare(from_peer)
+        assert (ready.warm_from, ready.files, ready.bytes, ready.problem) == ("peer", 2, 11, None), ready
+        assert (joining.caches / "fxgraph/a/entry").read_bytes() == b"a" * 10
+        assert not list((tmp_path / "joining").glob(".peer-incoming-*"))
+    finally:
+        server.close()
+
+
+def test_a_peers_crafted_archive_is_refused_and_the_checkpoint_dirs_is_taken(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    pack(caches_with(tmp_path / "leader", {"fxgraph/good": b"g"}), [checkpoints / SHARED_DIR])
+    crafted(tmp_path / "peer-memory" / SHARED_DIR, [(member("fxgraph/link", tarfile.SYMTYPE, "/etc/passwd"), b"")])
+    server, from_peer = served_by_peer(tmp_path / "peer-memory")
+    try:
+        joining = CompileCache(tmp_path / "joining", str(checkpoints), share=True)
+        ready = joining.prepare(from_peer)
+        assert (ready.warm_from, ready.files) == ("snapshot", 1), ready
+        assert ready.problem.startswith("from a peer: ") and "neither a file nor a folder" in ready.problem, ready
+        assert not (joining.caches / "fxgraph/link").exists()
+    finally:
+        server.close()
+    # A peer that does not answer, and no copy in the checkpoint dir either: nothing, and why.
+    (checkpoints / SHARED_DIR / POINTER_FILE).write_text("{}")
+    ready = CompileCache(tmp_path / "alone", str(checkpoints), share=True).prepare(from_peer)
+    assert ready.warm_from == "none" and ready.problem.startswith("from a peer: ") and "names no archive" in ready.problem

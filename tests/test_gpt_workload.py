@@ -80,6 +80,23 @@ def test_a_joining_node_compiles_in_its_rehearsal_and_the_job_waits_for_no_compi
     assert join["compile_joined_s"] == warmup["compile_s"], join
 
 
+def test_a_node_joining_with_the_memory_tier_takes_its_compile_caches_from_a_peer(tmp_path):
+    """Restart path with the memory tier: the joining node's agent copies the leader's shared
+    compile caches over the data plane before its worker starts, which then compiles nothing from
+    scratch."""
+    args = argparse.Namespace(nodes=3, nproc_per_node=1, scenario="join", fault_node=2, backend="c10d",
+                              rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
+                              workload="gpt", gpt_size="tiny", compile="on", compile_cache="per-node",
+                              memory_interval=2)
+    [join] = local_cluster.run_scenarios(args, tmp_path)
+    assert (join["cause"], join["world_size_after"], join["compile_warm_from"]) == ("node_joined", 3, "peer"), join
+    events = read_events(tmp_path / "events.jsonl")
+    ready = [e["warm_from"] for e in events if e["event"] == "compile_cache_ready"]
+    assert ready[:2] == ["none", "none"] and sorted(ready[2:]) == ["local", "local", "peer"], ready
+    restarted = [e for e in events if e["event"] == "first_step_done" and e["restored_from"]]
+    assert len(restarted) == 3 and all(e["cache_misses"] == 0 and e["cache_hits"] > 0 for e in restarted), restarted
+
+
 def train(tmp_path, name: str, steps: int, nproc: int, *extra: str) -> list[dict]:
     """Run examples/gpt/train.py (tiny, compile off) under `torchrevive run --standalone` with
     snapshots every 2 steps in ``tmp_path/name``; the marks of this run."""

@@ -68,6 +68,12 @@ def inventory_key(round: int, group_rank: int) -> str:
 
 PEER_LIST_TIMEOUT_S = 1.0
 """How long a pull ahead waits for a peer's answer: a frozen peer is skipped after it."""
+PEER_TRIES = 2
+"""How many peers :meth:`MemoryTier.from_peers` asks before it gives up."""
+PEER_FETCH_TIMEOUT_S = 2.0
+"""How long it waits for a peer's answer (a frozen one is skipped after it)."""
+MAX_PEERS_ASKED = 1024
+"""The group ranks it looks through for published addresses."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +339,32 @@ class MemoryTier:
 
         with ThreadPoolExecutor(max_workers=max(1, len(by_holder))) as pool:
             return sum(pool.map(lambda item: pull(*item), by_holder.items()))
+
+    def from_peers(self, store: Any, round: int, fetch: Callable[[PeerFileClient], None], *,
+                   exclude: int | None = None, tries: int = PEER_TRIES) -> int:
+        """Call ``fetch`` with a client of each node of ``round`` that published its address (group
+        rank order, ``exclude`` left out, at most ``tries``) until one call succeeds; the group rank
+        of that node. PeerError (the last one's) when none did. Peers answer only while they are in
+        ``round``; a node not in it yet (a joining one) asks the round it reads from the rendezvous."""
+        store = job_store(store)
+        self._ensure_server(store)
+        problem = PeerError(f"no node of round {round} published its address")
+        tried = 0
+        for group in range(MAX_PEERS_ASKED):
+            key = f"{_PREFIX}/{round}/address/{group}"
+            if tried == tries or not store.check([key]):
+                break
+            if group == exclude:
+                continue
+            tried += 1
+            try:
+                with PeerFileClient(parse_address(store.get(key).decode()), self._secret, round=round,
+                                    timeout=PEER_FETCH_TIMEOUT_S) as client:
+                    fetch(client)
+                return group
+            except (PeerError, OSError, ValueError) as exc:
+                problem = exc if isinstance(exc, PeerError) else PeerError(f"{key}: {exc}")
+        raise problem
 
     def _ensure_server(self, store: Any) -> None:
         """Serve with the job's secret: the configured file's, else the one kept in the job's
