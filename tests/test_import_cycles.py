@@ -1,0 +1,69 @@
+"""The product's modules (agent, launcher) import one another without a cycle: at module level
+(what runs when a module is first imported; imports under TYPE_CHECKING and inside functions are
+left out), the import graph is acyclic, so any module can be imported first. (A package's
+``__init__`` runs before its modules: that implicit step is no edge here.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGES = ("agent", "launcher")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The product's modules that ``path`` imports when it is imported (``from x import y`` counts
+    ``x.y`` where that is a module, else ``x``)."""
+    tree = ast.parse(path.read_text())
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in (getattr(node, "body", []), getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                              *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(block)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        found.add(f"{base}.{alias.name}")
+                    elif base in modules:
+                        found.add(base)
+    visit(tree.body)
+    return found
+
+
+def test_the_products_modules_import_one_another_without_a_cycle():
+    paths = {module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+    graph = {name: module_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def walk(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for imported in sorted(graph[name]):
+            if state[imported] == 1:
+                cycles.append(path[path.index(imported):] + [imported] if imported in path else [name, imported])
+            elif state[imported] == 0:
+                walk(imported, [*path, imported])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if state[name] == 0:
+            walk(name, [name])
+    assert len(graph) > 50 and not cycles, cycles
