@@ -31,6 +31,7 @@ write the checkpoint directory or who holds the job's secret: ``share`` trusts t
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from agent.checkpoint.durable import fsync_dir, write_file
+from agent.errors import TorchreviveError
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 """inductor's own variable: where its caches are (read each time a cache is looked up)."""
@@ -59,8 +61,9 @@ MAX_ARCHIVE_BYTES = 4 << 30
 _ARCHIVE_NAME = re.compile(r"^[0-9a-f]{64}\.tar$")
 
 
-class CompileCacheError(Exception):
-    """A shared archive that is not taken (the message says which file and why)."""
+class CompileCacheError(TorchreviveError):
+    """A cache directory the agent cannot use, or a shared archive that is not taken (the message
+    says which file and why)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,14 @@ class CompileCache:
     def __init__(self, directory: str | os.PathLike[str], checkpoint_dir: str | None, *, share: bool,
                  served: Path | None = None) -> None:
         self.caches = Path(directory).resolve() / "inductor"
+        try:
+            self.caches.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.caches, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        except OSError as exc:
+            raise CompileCacheError(f"compile.cache_dir: cannot keep compile caches in {self.caches} "
+                                    f"({exc.strerror or exc}); give a directory this node's agent can write, or leave "
+                                    "compile.cache_dir unset") from None
         self.shared = Path(checkpoint_dir) / SHARED_DIR if share and checkpoint_dir else None
         self.served = served / SHARED_DIR if self.shared is not None and served is not None else None
         self._packed: int | None = None

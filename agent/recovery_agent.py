@@ -147,10 +147,10 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory = memory_tier(job, handler.get_run_id())
         self._memory_buddy = ""
         self._restore_source = "storage"
-        self._warm = self._start_warm_process() if job.launch.warm_workers else None
         self._compile_cache = CompileCache(job.compile.cache_dir, job.checkpoint.dir, share=job.compile.share,
                                            served=self._memory.root if self._memory else None) \
             if job.compile.cache_dir else None
+        self._warm = self._start_warm_process() if job.launch.warm_workers else None
         self._shared_commit: float | None = None
         """The time of the last commit after which this node's compile caches were offered for sharing."""
         # Prefetch reads manifests through torchsnapshot (with DTensor and DCP: seconds of CPU on a

@@ -53,7 +53,11 @@ def run_command(argv: Sequence[str]) -> int:
     # Imported here so that --help and --print-config stay fast.
     from launcher.launch import launch
 
-    launch(request)
+    try:
+        launch(request)
+    except TorchreviveError as exc:  # the agent could not start or go on: what and why, in one line
+        print(f"torchrevive run: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -182,6 +182,17 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
     assert out.strip() == f"torchrevive run: error: {bad}: job.nnodes: '3:1' has min 3 > max 1; write MIN:MAX with MIN <= MAX"
 
 
+def test_a_compile_cache_dir_the_agent_cannot_use_stops_the_launch_with_one_line(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    proc = start_torchrevive(["run", "--standalone", "--set", f"compile.cache_dir={taken}", "examples/train.py"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    [line] = [line for line in out.splitlines() if "error" in line.lower()]
+    assert line.startswith(f"torchrevive run: error: compile.cache_dir: cannot keep compile caches in {taken}/inductor"), out
+    assert "Traceback" not in out
+
+
 def test_a_signal_the_agent_handles_is_forwarded_to_the_workers(tmp_path):
     # torchrun --signals-to-handle: the agent turns SIGUSR1 into a shutdown that sends SIGUSR1 to
     # every worker (torch's own path); unhandled, SIGUSR1 would kill the agent and orphan them.
