@@ -88,7 +88,12 @@ def train_through_a_node_loss(work, **overrides) -> float:
     try:
         for index in range(3):
             cluster.start(index)
-        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed"], 120, "a committed snapshot")
+        # All 3 in one round first: on a loaded machine a node slower to start joins a round later,
+        # and the kill would hit a job that never had it.
+        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == 3],
+                                  120, "a round of all 3 nodes")[0]["time"]
+        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed], 120,
+                         "a committed snapshot")
         killed_at = time.time()
         cluster.signal(2, signal.SIGKILL)
         cluster.nodes.pop(2).wait()

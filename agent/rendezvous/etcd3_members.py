@@ -105,12 +105,14 @@ class MembersMirror:
         """Ends the watch under way, if one is."""
 
     def close(self) -> None:
-        """Stop following the prefix: the watch is cancelled and its thread ends (reads go to etcd)."""
+        """Stop following the prefix: the watch is cancelled and its thread ends (reads go to etcd).
+        Never blocks: etcd3's cancel can wait forever on a watch stream that an outage broke, so it
+        runs in a thread of its own (its first act ends the iteration the follower is in)."""
         self._closed.set()
         with self._changed:
             cancel, self._synced = self._cancel, False
         if cancel is not None:
-            cancel()
+            threading.Thread(target=cancel, name="torchrevive-etcd3-watch-cancel", daemon=True).start()
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the watch's thread) after every change the watch applies."""
@@ -195,7 +197,8 @@ class MembersMirror:
         finally:
             with self._changed:
                 self._synced, self._cancel = False, None
-            cancel()
+            if not self._closed.is_set():  # closed: close() cancels it
+                cancel()
 
     def _apply(self, events: Any) -> None:
         """Apply one watch response's events (etcd3's PutEvent and DeleteEvent)."""
