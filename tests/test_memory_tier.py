@@ -230,7 +230,8 @@ def test_a_full_tmpfs_warns_and_the_storage_tier_goes_on(tmp_path):
     finally:
         cluster.stop()
     failed = [e for e in events if e["event"] == "memory_save_failed"]
-    assert failed and "No space left on device" in failed[0]["error"]
+    # The rank whose write hit the full tmpfs says so; another may first report the save's collective failing.
+    assert any("No space left on device" in e["error"] for e in failed), failed
     assert not [e for e in events if e["event"] == "memory_save_committed"]
     assert "memory snapshot of step" in (tmp_path / "node0.log").read_text()  # the warning
 
