@@ -135,6 +135,12 @@ class RecoveryAgent(LocalElasticAgent):
             self._regroup_dir.mkdir()
         self._regroup_pending = False
         """The workers left the round alive: the next round is handed to them, not started anew."""
+        self._leaving: tuple[int, float] | None = None
+        """(round, monotonic time): the workers were asked to leave that round then."""
+        self._regroup_due: tuple[int, float] | None = None
+        """(round, monotonic deadline): the round handed over, by when its workers must have taken it."""
+        self._regroup_failed: str | None = None
+        """Why the workers did not take the round handed to them: the next round restarts them."""
         self._wrap_next_rendezvous(handler)
         node = self._watch.node if self._watch else f"{job.launch.local_addr or 'node'}_{os.getpid()}"
         self.events = EventLog(job.observability.event_log, node=node)
@@ -293,10 +299,10 @@ class RecoveryAgent(LocalElasticAgent):
         self._pull_ahead()
         started = time.monotonic()
         fallback = self._leave_in_process() if self._regroup_dir is not None else None
+        # In-process, the workers leave while the rendezvous runs: the next round is handed to them
+        # once they did (_start_workers), and this node is in that round even when one is late.
         self._regroup_pending = fallback == ""
-        if self._regroup_pending:
-            self.events.record("workers_stopped", seconds=time.monotonic() - started, path="in_process")
-        else:
+        if not self._regroup_pending:
             if fallback:
                 self.events.record("in_process_fallback", reason=fallback)
             self._stop_workers(self._worker_group)
@@ -321,55 +327,108 @@ class RecoveryAgent(LocalElasticAgent):
                                 [w.global_rank for w in group.workers], group.workers[0].world_size, pulled)
 
     def _leave_in_process(self) -> str:
-        """Ask this node's workers to leave the round and wait until each says it left: "" when
-        all did, else why the round takes the restart path here."""
+        """Ask this node's workers to leave the round: "" when asked, else why the round takes the
+        restart path here."""
         group, directory = self._worker_group, self._regroup_dir
         assert directory is not None and self._round is not None, "in-process rounds need a rendezvous round"
         if self._standby or not group.workers:
             return "this node ran no workers"
         if self._pcontext is None or self._pcontext.wait(0) is not None:
             return "a worker process ended"
+        if self._regroup_failed is not None:
+            failed, self._regroup_failed = self._regroup_failed, None
+            return failed
         regroup.request_leave(directory, self._round)
-        deadline = time.monotonic() + self._job.elastic.in_process_deadline
-        while time.monotonic() < deadline:
-            if not self._workers_yet_to_leave():
+        self._leaving = (self._round, time.monotonic())
+        return ""
+
+    def _await_left(self) -> str:
+        """Wait, up to ``elastic.in_process_deadline`` from the request, until each of this node's
+        workers says it left the round: "" when all did (or none was asked: a rehearsal's said
+        so already), else why they are restarted instead."""
+        assert self._pcontext is not None, "the workers run"
+        if self._leaving is None:
+            return ""
+        (round, asked), self._leaving = self._leaving, None
+        deadline = asked + self._job.elastic.in_process_deadline
+        while True:
+            late = self._workers_yet_to_leave(round)
+            if not late:
+                self.events.record("workers_stopped", seconds=time.monotonic() - asked, path="in_process")
                 return ""
             if self._pcontext.wait(0) is not None:
                 return "a worker process ended while it left the round"
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.01)
-        return (f"local ranks {self._workers_yet_to_leave()} did not leave round {self._round} within "
-                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s)")
+        self._dump_stacks(late)
+        return (f"local ranks {late} did not leave round {round} within "
+                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s); "
+                f"their threads' stacks are in their logs")
 
-    def _workers_left(self) -> dict[int, regroup.Left]:
-        """What each of this node's workers that left the current round said, by local rank."""
+    def _dump_stacks(self, local_ranks: list[int]) -> None:
+        """Have each of ``local_ranks`` write its threads' stacks to its stderr before it is stopped
+        (``run_resilient`` registers faulthandler for regroup.STACK_DUMP_SIGNAL)."""
+        assert self._pcontext is not None, "the workers run"
+        for local_rank, pid in self._pcontext.pids().items():
+            if local_rank in local_ranks:
+                try:
+                    os.kill(pid, regroup.STACK_DUMP_SIGNAL)
+                except OSError:  # it ended meanwhile
+                    pass
+        time.sleep(regroup.STACK_DUMP_WAIT_S)
+
+    def _workers_left(self, round: int | None = None) -> dict[int, regroup.Left]:
+        """What each of this node's workers that left ``round`` (by default the current one) said,
+        by local rank."""
         assert self._regroup_dir is not None
-        if self._round is None:  # no rendezvous round: no worker can have left one
+        round = self._round if round is None else round
+        if round is None:  # no rendezvous round: no worker can have left one
             return {}
-        return regroup.left_round(self._regroup_dir, [w.local_rank for w in self._worker_group.workers], self._round)
+        return regroup.left_round(self._regroup_dir, [w.local_rank for w in self._worker_group.workers], round)
 
-    def _workers_yet_to_leave(self) -> list[int]:
-        left = self._workers_left()
+    def _workers_yet_to_leave(self, round: int) -> list[int]:
+        left = self._workers_left(round)
         return [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
 
-    def _left_failure(self, worker: Worker, left: regroup.Left) -> ProcessFailure:
-        """A worker that left the round on its own, as torch reports a failed one."""
+    def _workers_late_to_regroup(self) -> list[int]:
+        """The local ranks that did not take the round handed to them in time (their stacks then
+        go to their logs, and the next round restarts them); [] while there is time, or all did."""
+        if self._regroup_due is None:
+            return []
+        assert self._regroup_dir is not None
+        round, due = self._regroup_due
+        ranks = [w.local_rank for w in self._worker_group.workers]
+        late = [rank for rank in ranks if rank not in regroup.took_round(self._regroup_dir, ranks, round)]
+        if late and time.monotonic() < due:
+            return []
+        self._regroup_due = None
+        if not late:
+            return []
+        self._dump_stacks(late)
+        self._regroup_failed = (f"local ranks {late} did not take round {round} within "
+                                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s); "
+                                "their threads' stacks are in their logs")
+        return late
+
+    @staticmethod
+    def _in_process_failure(worker: Worker, message: str) -> ProcessFailure:
+        """A live worker's failure in an in-process round, as torch reports a failed process."""
         failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id or 0, exitcode=1, error_file="")
-        failure.message = f"left round {self._round} in-process: {left.reason}"
+        failure.message = message
         return failure
 
-    def _hand_over_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        """Give the workers that left the last round this round's environment; their pids."""
+    def _round_environments(self, worker_group: WorkerGroup) -> dict[int, dict[str, str]]:
+        """This round's environment for each worker that left the last round, by local rank."""
         assert self._regroup_dir is not None and self._round is not None and self._pcontext is not None
         spec = worker_group.spec
         common = {**self.worker_environment(), "GROUP_RANK": str(worker_group.group_rank),
                   "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "MASTER_ADDR": worker_group.master_addr,
                   "MASTER_PORT": str(worker_group.master_port), "LOCAL_WORLD_SIZE": str(spec.local_world_size),
                   "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts)}
-        for w in worker_group.workers:
-            regroup.hand_over(self._regroup_dir, w.local_rank, self._round,
-                              {**common, "RANK": str(w.global_rank), "ROLE_RANK": str(w.role_rank),
-                               "WORLD_SIZE": str(w.world_size), "ROLE_WORLD_SIZE": str(w.role_world_size)})
-        return self._pcontext.pids()
+        return {w.local_rank: {**common, "RANK": str(w.global_rank), "ROLE_RANK": str(w.role_rank),
+                               "WORLD_SIZE": str(w.world_size), "ROLE_WORLD_SIZE": str(w.role_world_size)}
+                for w in worker_group.workers}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if not self._standby:
@@ -379,8 +438,15 @@ class RecoveryAgent(LocalElasticAgent):
                 left = self._workers_left()
                 if left:
                     return RunResult(state=WorkerState.FAILED, failures={
-                        w.global_rank: self._left_failure(w, left[w.local_rank]) for w in worker_group.workers
-                        if w.local_rank in left})
+                        w.global_rank: self._in_process_failure(
+                            w, f"left round {self._round} in-process: {left[w.local_rank].reason}")
+                        for w in worker_group.workers if w.local_rank in left})
+                late = self._workers_late_to_regroup()
+                if late:
+                    assert self._regroup_failed is not None
+                    return RunResult(state=WorkerState.FAILED, failures={
+                        w.global_rank: self._in_process_failure(w, self._regroup_failed)
+                        for w in worker_group.workers if w.local_rank in late})
             return result
         finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
@@ -533,19 +599,33 @@ class RecoveryAgent(LocalElasticAgent):
         return local
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self._regroup_due = None
         if self._regroup_pending:
             self._regroup_pending = False
-            if not self._standby and len(worker_group.workers) == self._nproc_per_node and self._pcontext is not None \
-                    and self._pcontext.wait(0) is None:
+            if self._standby:
+                problem = "this node stands by in the new round"
+            elif len(worker_group.workers) != self._nproc_per_node or self._pcontext is None \
+                    or self._pcontext.wait(0) is not None:
+                problem = "a worker process ended while the round re-formed"
+            else:
+                problem = self._await_left()
+            if not problem:
                 started = time.monotonic()
-                pids = self._hand_over_round(worker_group)
+                directory, round = self._regroup_dir, self._round
+                assert directory is not None and round is not None, "in-process rounds need a rendezvous round"
+                environments = self._round_environments(worker_group)
+                # Recorded before the hand-over: a worker goes on as soon as it reads its own.
                 self.events.record("workers_started", seconds=time.monotonic() - started,
                                    ranks=[w.global_rank for w in worker_group.workers], start="in_process")
+                for local_rank, environment in environments.items():
+                    regroup.hand_over(directory, local_rank, round, environment)
+                self._regroup_due = (round, time.monotonic() + self._job.elastic.in_process_deadline)
+                pids = self._pcontext.pids()
                 self._prev_world_size = worker_group.workers[0].world_size
                 self._prefetch_restore(worker_group)
                 return pids
-            self.events.record("in_process_fallback", reason="this node stands by in the new round"
-                               if self._standby else "a worker process ended while the round re-formed")
+            self._leaving = None
+            self.events.record("in_process_fallback", reason=problem)
             self._stop_workers(worker_group)
         if self._standby:
             self.events.record("standby", nodes_used=self._nodes_used)

@@ -1,12 +1,19 @@
 """The regroup channel: how a node's agent and its live workers re-form a round in-process
 (``elastic.in_process``), through small JSON files in a directory of the agent's own
-(``TORCHREVIVE_REGROUP_DIR``), each replaced atomically:
+(``TORCHREVIVE_REGROUP_DIR``), each replaced atomically (not durably: they are messages between
+live processes):
 
 * ``leave.json`` (agent -> workers): ``{"round": R}``, every round up to R must end now;
 * ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid"}``, the worker
   left round R (asked to, or its collective failed) holding the state of ``step``, and waits;
 * ``handover-<local rank>.json`` (agent -> worker): ``{"round", "env"}``, the next round's
-  torchrun and TORCHREVIVE_* variables.
+  torchrun and TORCHREVIVE_* variables;
+* ``taken-<local rank>.json`` (worker -> agent): ``{"round"}``, the worker took round R's
+  environment and goes on to form its process group.
+
+A worker that does not leave a round, or take the next, in time gets ``STACK_DUMP_SIGNAL`` before
+it is stopped: it writes its threads' stacks to its stderr (faulthandler), which says where it was
+stuck.
 
 What is read is data, checked before use: a malformed file reads as absent.
 """
@@ -15,12 +22,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.checkpoint.durable import write_file
 
 LEAVE = "leave.json"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_WAIT_S = 0.5
+"""How long the agent gives a late worker to write its stacks before it stops it."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,7 @@ class Left:
 
 def request_leave(directory: str | os.PathLike[str], round: int) -> None:
     """Ask the node's workers to end every round up to ``round``."""
-    write_file(Path(directory) / LEAVE, json.dumps({"round": round}))
+    write_file(Path(directory) / LEAVE, json.dumps({"round": round}), durable=False)
 
 
 def leave_requested(directory: str | os.PathLike[str]) -> int | None:
@@ -46,7 +57,8 @@ def leave_requested(directory: str | os.PathLike[str]) -> int | None:
 
 def post_left(directory: str | os.PathLike[str], local_rank: int, left: Left) -> None:
     write_file(Path(directory) / f"left-{local_rank}.json",
-               json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid}))
+               json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid}),
+               durable=False)
 
 
 def read_left(directory: str | os.PathLike[str], local_rank: int) -> Left | None:
@@ -67,18 +79,29 @@ def left_round(directory: str | os.PathLike[str], local_ranks: list[int], round:
 
 
 def hand_over(directory: str | os.PathLike[str], local_rank: int, round: int, env: dict[str, str]) -> None:
-    write_file(Path(directory) / f"handover-{local_rank}.json", json.dumps({"round": round, "env": env}))
+    write_file(Path(directory) / f"handover-{local_rank}.json", json.dumps({"round": round, "env": env}), durable=False)
 
 
-def read_handover(directory: str | os.PathLike[str], local_rank: int, after: int) -> dict[str, str] | None:
-    """The environment of a round later than ``after`` handed to this worker, or None yet."""
+def read_handover(directory: str | os.PathLike[str], local_rank: int,
+                  after: int) -> tuple[int, dict[str, str]] | None:
+    """The round later than ``after`` handed to this worker and its environment, or None yet."""
     raw = _read(Path(directory) / f"handover-{local_rank}.json")
     if not isinstance(raw, dict) or not isinstance(raw.get("round"), int) or raw["round"] <= after:
         return None
     env = raw.get("env")
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         return None
-    return env
+    return raw["round"], env
+
+
+def post_taken(directory: str | os.PathLike[str], local_rank: int, round: int) -> None:
+    write_file(Path(directory) / f"taken-{local_rank}.json", json.dumps({"round": round}), durable=False)
+
+
+def took_round(directory: str | os.PathLike[str], local_ranks: list[int], round: int) -> set[int]:
+    """Which of ``local_ranks`` said they took ``round``'s environment."""
+    said = {rank: _read(Path(directory) / f"taken-{rank}.json") for rank in local_ranks}
+    return {rank for rank, raw in said.items() if isinstance(raw, dict) and raw.get("round") == round}
 
 
 def _read(path: Path) -> object:

@@ -35,8 +35,11 @@ tensor parallel) restores through the Checkpointer each round.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
+import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,7 +50,7 @@ import torch.distributed as dist
 
 from agent import regroup, torch_private
 from agent.events import EventLog
-from agent.round_sockets import cut_connections_since, open_sockets
+from agent.round_sockets import RoundConnections, open_sockets
 from agent.worker import REGROUP_DIR, REHEARSAL_ROUND, WorkerContext
 
 T = TypeVar("T")
@@ -129,9 +132,14 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
     does not wait for this node's compile."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     directory = os.environ.get(REGROUP_DIR) or None
+    if directory is not None:  # the agent asks a worker late to leave a round where it is stuck
+        # Chained only to a handler of the program's own: the default one would end the process.
+        chain = signal.getsignal(regroup.STACK_DUMP_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        faulthandler.register(regroup.STACK_DUMP_SIGNAL, all_threads=True, chain=chain)
     number, held, previous_state = 0, None, None
+    ended: RoundConnections | None = None  # the last round's connections, held open (agent.round_sockets)
     while True:
-        before = open_sockets()
+        connections = RoundConnections(open_sockets())
         context = WorkerContext.from_env()
         if context.rehearsal and directory is not None:
             _rehearse(context, warmup, backend, timeout, directory)
@@ -140,7 +148,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
         # Watching from before the group forms: a peer lost meanwhile leaves this worker waiting
         # in the group's rendezvous, and cutting the store connection frees it.
-        watcher = _LeaveWatcher(directory, context.round, leave, before, backend) if directory else None
+        watcher = _LeaveWatcher(directory, context.round, leave, connections, backend) if directory else None
         try:
             if directory is not None and _asked_to_leave(directory, context.round):
                 leave.set()  # asked before the group formed (a join during the start): nothing to join
@@ -154,7 +162,8 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         finally:
             if watcher is not None:
                 watcher.stop()
-        cut_connections_since(before)
+        # Every read of the round ends; a background save's sends still go out (agent.round_sockets).
+        connections.shut(socket.SHUT_RD)
         held, previous_state = round.held_step, round.app_state or previous_state
         # Told first: the agent re-forms the job while this process cleans up.
         regroup.post_left(directory, context.local_rank,
@@ -162,7 +171,11 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         del round
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
         _leave_process_group(backend)
+        connections.shut(socket.SHUT_RDWR)
         os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
+        if ended is not None:  # a peer still sending on them (frozen meanwhile, say) has been told by now
+            ended.release()
+        ended = connections
         number += 1
 
 
@@ -193,21 +206,21 @@ class _LeaveWatcher:
     """Polls the agent's leave request; when it comes, flags the round and cuts its connections
     (a training thread blocked in a collective errors out)."""
 
-    def __init__(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
+    def __init__(self, directory: str, round: int | None, leave: threading.Event, connections: RoundConnections,
                  backend: str, poll_s: float = 0.02) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(directory, round, leave, before, backend, poll_s),
+        self._thread = threading.Thread(target=self._run, args=(directory, round, leave, connections, backend, poll_s),
                                         name="torchrevive-leave-watch", daemon=True)
         self._thread.start()
 
-    def _run(self, directory: str, round: int | None, leave: threading.Event, before: frozenset[str],
+    def _run(self, directory: str, round: int | None, leave: threading.Event, connections: RoundConnections,
              backend: str, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
             if _asked_to_leave(directory, round):
                 leave.set()
-                cut_connections_since(before)
                 if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
                     torch_private.abort_process_group()
+                connections.cut(self._stop)  # the training thread may be sending
                 return
 
     def stop(self) -> None:
@@ -251,9 +264,10 @@ def _leave_process_group(backend: str) -> None:
 
 def _wait_for_handover(directory: str, local_rank: int, round: int) -> dict[str, str]:
     """The next round's environment, once the agent hands it over (it stops this process instead
-    when the round goes down the restart path)."""
+    when the round goes down the restart path); the agent is told it was taken."""
     while True:
-        env = regroup.read_handover(directory, local_rank, after=round)
-        if env is not None:
-            return env
+        handed = regroup.read_handover(directory, local_rank, after=round)
+        if handed is not None:
+            regroup.post_taken(directory, local_rank, handed[0])
+            return handed[1]
         time.sleep(0.01)

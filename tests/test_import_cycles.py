@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, parse_python
 
 PACKAGES = ("agent", "launcher")
 
@@ -21,7 +21,7 @@ def module_name(path: Path) -> str:
 def module_level_imports(path: Path, modules: set[str]) -> set[str]:
     """The product's modules that ``path`` imports when it is imported (``from x import y`` counts
     ``x.y`` where that is a module, else ``x``)."""
-    tree = ast.parse(path.read_text())
+    tree = parse_python(path)
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     found: set[str] = set()
 

@@ -69,44 +69,47 @@ def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_pro
     assert {e["source"] for e in events if e["event"] == "restore_done"} <= {"peer", "in_process"}
 
 
-FAILING_WARMUP = """
-import os, sys, time
+def two_node_script(setup: str, first_round: str = "", run_args: str = "") -> str:
+    """A training script for the two-node tests below: ``setup`` at module level, ``first_round``
+    run as a round begins; each step all-reduces a stop flag (the test touches ``stop``) and writes
+    the world size it trains at to ``world<rank>``."""
+    return f"""
+import gc, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 import agent
 
 out = Path(sys.argv[1])
-
-def warmup(round):
-    raise RuntimeError("this warm-up fails")
+{setup}
 
 def train(round):
     ctx, step = round.context, round.held_step or 0
+    {first_round}
     while True:
         flag = torch.tensor([float((out / "stop").exists())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
             break
         step += 1
-        (out / f"world{ctx.rank}").write_text(str(ctx.world_size))
+        (out / f"world{{ctx.rank}}").write_text(str(ctx.world_size))
         round.step_done(step)
         time.sleep(0.05)
     dist.barrier()
     os._exit(0)  # no teardown: gloo's destructors can abort when peers exit at once
 
-agent.run_resilient(train, warmup=warmup)
+agent.run_resilient(train{run_args})
 """
 
 
-def test_a_rehearsal_that_fails_lets_the_node_join_with_new_workers(tmp_path, rdzv_endpoint):
-    """The joining node's warm-up raises: its rehearsal ends, its workers are stopped, and it joins
-    the job as without a rehearsal (new workers); the job goes on at world size 2."""
-    script, events = tmp_path / "train.py", tmp_path / "events.jsonl"
-    script.write_text(FAILING_WARMUP)
+def train_on_two_nodes(tmp_path: Path, rdzv_endpoint: str, script: str, *options: str) -> tuple[list[str], list[dict]]:
+    """Start ``script`` on one node, then on a second; once both train at world size 2, stop
+    them. Their outputs (each must end with exit code 0) and the job's events."""
+    (tmp_path / "train.py").write_text(script)
+    events = tmp_path / "events.jsonl"
     args = ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            rdzv_endpoint, "--rdzv-id", "rehearsal", "--rdzv-conf", "join_timeout=60,last_call_timeout=1",
+            rdzv_endpoint, "--rdzv-id", tmp_path.name, "--rdzv-conf", "join_timeout=60,last_call_timeout=1",
             "--monitor-interval", "0.2", "--set", "elastic.in_process=true", "--set",
-            f"observability.event_log={events}", str(script), str(tmp_path)]
+            f"observability.event_log={events}", *options, str(tmp_path / "train.py"), str(tmp_path)]
     first = start_torchrevive(args)
     try:
         wait_until(lambda: (tmp_path / "world0").exists(), first, "the first node trains")
@@ -121,12 +124,47 @@ def test_a_rehearsal_that_fails_lets_the_node_join_with_new_workers(tmp_path, rd
             second.kill()
     finally:
         first.kill()
+    return outputs, read_events(events)
+
+
+def test_a_rehearsal_that_fails_lets_the_node_join_with_new_workers(tmp_path, rdzv_endpoint):
+    """The joining node's warm-up raises: its rehearsal ends, its workers are stopped, and it joins
+    the job as without a rehearsal (new workers); the job goes on at world size 2."""
+    failing_warmup = two_node_script("def warmup(round):\n    raise RuntimeError('this warm-up fails')\n",
+                                     run_args=", warmup=warmup")
+    outputs, recorded = train_on_two_nodes(tmp_path, rdzv_endpoint, failing_warmup)
     assert "this warm-up fails" in outputs[1]
-    recorded = read_events(events)
     [rehearsal] = [e for e in recorded if e["event"] == "rehearsal_done"]
     assert rehearsal["problem"] == "a worker process ended in the rehearsal (local rank 0 exit code 1)", rehearsal
     joined = [e for e in recorded if e["event"] == "workers_started" and e["node"] == rehearsal["node"]]
     assert joined and joined[0]["start"] in ("warm", "spawn"), joined  # started anew, not handed over
+
+
+STALLS_WHEN_COLLECTED = """
+gc.disable()  # the collector runs when run_resilient calls it, between rounds
+
+
+class StallsWhenCollected:
+    def __init__(self):
+        self.cycle = self  # freed by the collector alone
+
+    def __del__(self):
+        time.sleep(3600)
+"""
+
+
+def test_a_worker_stuck_after_it_left_a_round_is_restarted_and_its_stacks_logged(tmp_path, rdzv_endpoint):
+    """The first node's worker leaves its round when a second node joins, then stalls before it
+    takes the next one (in a finalizer that the collector runs): after elastic.in_process_deadline
+    its agent logs its stacks and restarts it (a worker's failure: one of --max-restarts), and the job
+    trains at world size 2."""
+    stalls = two_node_script(STALLS_WHEN_COLLECTED, first_round="if round.number == 0 and ctx.world_size == 1:\n"
+                                                                 "        StallsWhenCollected()  # the first worker's")
+    outputs, recorded = train_on_two_nodes(tmp_path, rdzv_endpoint, stalls, "--max-restarts", "1",
+                                           "--set", "elastic.in_process_deadline=3")
+    fallbacks = [e["reason"] for e in recorded if e["event"] == "in_process_fallback"]
+    assert any("did not take round" in r and "elastic.in_process_deadline" in r for r in fallbacks), fallbacks
+    assert "in __del__" in outputs[0]  # where it stalled, from its stacks
 
 
 def wait_until(condition, proc, what: str, timeout_s: float = 120) -> None:

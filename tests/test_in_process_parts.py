@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
@@ -22,7 +23,7 @@ from agent.elastic_sampler import ElasticSampler
 from agent.errors import RestoreError
 from agent.heal import heal
 from agent.resilient import _leave_process_group
-from agent.round_sockets import cut_connections_since, open_sockets
+from agent.round_sockets import RoundConnections, open_sockets
 from tests.distributed import run_ranks
 
 
@@ -34,15 +35,19 @@ def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_a
     assert regroup.read_left(tmp_path, 1) == regroup.Left(round=4, reason="asked by the agent", step=17, pid=123)
     assert regroup.read_left(tmp_path, 0) is None
     regroup.hand_over(tmp_path, 1, 5, {"RANK": "2", "WORLD_SIZE": "3"})
-    assert regroup.read_handover(tmp_path, 1, after=4) == {"RANK": "2", "WORLD_SIZE": "3"}
+    assert regroup.read_handover(tmp_path, 1, after=4) == (5, {"RANK": "2", "WORLD_SIZE": "3"})
     assert regroup.read_handover(tmp_path, 1, after=5) is None  # not a later round than the worker's
+    regroup.post_taken(tmp_path, 1, 5)
+    assert regroup.took_round(tmp_path, [0, 1], 5) == {1} and regroup.took_round(tmp_path, [1], 4) == set()
     for name, text in [("leave.json", '{"round": "4"}'), ("left-1.json", '{"round": 4, "step": "x", "pid": 1, '
                                                                       '"reason": ""}'),
-                       ("handover-1.json", '{"round": 9, "env": {"RANK": 2}}'), ("left-1.json", "not json")]:
+                       ("handover-1.json", '{"round": 9, "env": {"RANK": 2}}'), ("left-1.json", "not json"),
+                       ("taken-1.json", '{"round": "5"}')]:
         (tmp_path / name).write_text(text)
     assert regroup.leave_requested(tmp_path) is None
     assert regroup.read_left(tmp_path, 1) is None
     assert regroup.read_handover(tmp_path, 1, after=4) is None
+    assert regroup.took_round(tmp_path, [1], 5) == set()
 
 
 def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
@@ -54,7 +59,9 @@ def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
     newer_peer, _ = listener.accept()
     try:
         # The round's own: its client end and the accepted end both; the listener and the older pair stay.
-        assert cut_connections_since(before) == 2
+        round_connections = RoundConnections(before)
+        assert round_connections.shut(socket.SHUT_RDWR) == 2
+        round_connections.release()
         newer_peer.settimeout(5)
         assert newer_peer.recv(1) == b""  # the peer sees the connection end at once
         older.sendall(b"x")
@@ -63,6 +70,33 @@ def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
         late.close()
     finally:
         for s in (listener, older, older_peer, newer, newer_peer):
+            s.close()
+
+
+def test_a_round_is_cut_for_reading_first_and_held_open_so_that_sends_under_way_still_go_out():
+    """What keeps gloo from losing a send (agent.round_sockets): cut for reading, a connection ends
+    every read at once yet still takes what this process sends, and stays open after its owner
+    closed it; cut for writing, its peer is told, in order."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    connections = RoundConnections(open_sockets() - {os.readlink(f"/proc/self/fd/{mine.fileno()}")})
+    try:
+        assert connections.shut(socket.SHUT_RD) == 1  # the peer's end is another process's, say
+        mine.settimeout(5)
+        peer.settimeout(5)
+        assert mine.recv(1) == b""  # this process's reads end at once
+        mine.sendall(b"x")  # while its sends still go out
+        mine.close()  # its owner closes it (gloo, on that end of file)
+        peer.sendall(b"y")  # the peer still sending is not reset
+        assert peer.recv(1) == b"x"
+        left = threading.Event()
+        left.set()  # the round's threads left: no wait before the writing side goes too
+        connections.cut(left)
+        assert peer.recv(1) == b""  # told in order
+        connections.release()
+    finally:
+        for s in (listener, mine, peer):
             s.close()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, parse_python
 
 ALLOWED_PRIVATE_MODULES = {"torch.distributed._shard.sharded_tensor"}
 """ShardedTensor's documented home (its class is public; torch has no other path to it)."""
@@ -27,7 +27,7 @@ def sources() -> list[Path]:
 def test_no_module_but_torch_private_names_a_private_torch_part():
     found = []
     for path in sources():
-        tree = ast.parse(path.read_text())
+        tree = parse_python(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
                 module = node.module or ""
@@ -63,6 +63,17 @@ def torch_class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def torch_source(cls: type) -> str:
+    """The source of the methods that ``cls`` and its torch bases define. Read function by function:
+    ``inspect.getsource`` of a class parses its whole module with ``ast`` on Python 3.11, whose
+    AST conversion keeps its recursion depth per interpreter, not per thread, and fails with
+    "AST constructor recursion depth mismatch" while another thread of the process parses too."""
+    functions = [inspect.unwrap(value.fget if isinstance(value, property) else getattr(value, "__func__", value))
+                 for klass in cls.__mro__ if klass.__module__.startswith("torch.")
+                 for value in vars(klass).values()]
+    return "".join(inspect.getsource(f) for f in functions if inspect.isfunction(f))
+
+
 def test_torchs_private_methods_have_the_signatures_the_package_was_written_against():
     from agent.torch_private import PRIVATE_METHODS
 
@@ -86,7 +97,7 @@ def test_every_private_method_overridden_or_attribute_used_by_a_subclass_is_list
         for class_name in class_names:
             cls = getattr(module, class_name)
             base = next(b for b in bases.values() if issubclass(cls, b))
-            base_source = "".join(inspect.getsource(k) for k in base.__mro__ if k.__module__.startswith("torch."))
+            base_source = torch_source(base)
             for name, value in vars(cls).items():
                 if name.startswith("_") and not name.startswith("__") and callable(value) and hasattr(base, name) \
                         and name not in listed_methods:
@@ -97,5 +108,5 @@ def test_every_private_method_overridden_or_attribute_used_by_a_subclass_is_list
     assert not unlisted, unlisted
     # And each listed attribute is still torch's.
     for path, names in PRIVATE_ATTRIBUTES.items():
-        source = "".join(inspect.getsource(k) for k in torch_class(path).__mro__ if k.__module__.startswith("torch."))
+        source = torch_source(torch_class(path))
         assert all(re.search(rf"self\.{name}\b", source) for name in names), (path, names)

@@ -24,22 +24,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, text: str, *, mode: int = 0o644) -> None:
+def write_file(path: Path, text: str, *, mode: int = 0o644, durable: bool = True) -> None:
     """Replace ``path`` with ``text`` (a file of ``mode``), atomically and durably (see the module
-    docstring). On any failure the temporary file is removed and ``path`` keeps its previous content."""
+    docstring). On any failure the temporary file is removed and ``path`` keeps its previous content.
+    ``durable=False`` leaves out the fsyncs: for messages between live processes, which a power loss
+    ends anyway (each fsync can take a second on a busy disk)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)  # mkstemp's is 600: a snapshot's readers may be other users
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def remove_file(path: Path) -> bool:
