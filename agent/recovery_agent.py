@@ -361,14 +361,12 @@ class RecoveryAgent(LocalElasticAgent):
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
-        self._dump_stacks(late)
-        return (f"local ranks {late} did not leave round {round} within "
-                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s); "
-                f"their threads' stacks are in their logs")
+        return self._late(late, f"leave round {round}")
 
-    def _dump_stacks(self, local_ranks: list[int]) -> None:
-        """Have each of ``local_ranks`` write its threads' stacks to its stderr before it is stopped
-        (``run_resilient`` registers faulthandler for regroup.STACK_DUMP_SIGNAL)."""
+    def _late(self, local_ranks: list[int], missed: str) -> str:
+        """Have each of ``local_ranks``, late to do what ``missed`` says, write its threads' stacks
+        to its stderr before it is stopped (``run_resilient`` registers faulthandler for
+        regroup.STACK_DUMP_SIGNAL); why they are restarted."""
         assert self._pcontext is not None, "the workers run"
         for local_rank, pid in self._pcontext.pids().items():
             if local_rank in local_ranks:
@@ -377,6 +375,8 @@ class RecoveryAgent(LocalElasticAgent):
                 except OSError:  # it ended meanwhile
                     pass
         time.sleep(regroup.STACK_DUMP_WAIT_S)
+        return (f"local ranks {local_ranks} did not {missed} within elastic.in_process_deadline "
+                f"({self._job.elastic.in_process_deadline:g} s); their threads' stacks are in their logs")
 
     def _workers_left(self, round: int | None = None) -> dict[int, regroup.Left]:
         """What each of this node's workers that left ``round`` (by default the current one) said,
@@ -405,10 +405,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._regroup_due = None
         if not late:
             return []
-        self._dump_stacks(late)
-        self._regroup_failed = (f"local ranks {late} did not take round {round} within "
-                                f"elastic.in_process_deadline ({self._job.elastic.in_process_deadline:g} s); "
-                                "their threads' stacks are in their logs")
+        self._regroup_failed = self._late(late, f"take round {round}")
         return late
 
     @staticmethod
@@ -420,7 +417,6 @@ class RecoveryAgent(LocalElasticAgent):
 
     def _round_environments(self, worker_group: WorkerGroup) -> dict[int, dict[str, str]]:
         """This round's environment for each worker that left the last round, by local rank."""
-        assert self._regroup_dir is not None and self._round is not None and self._pcontext is not None
         spec = worker_group.spec
         common = {**self.worker_environment(), "GROUP_RANK": str(worker_group.group_rank),
                   "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "MASTER_ADDR": worker_group.master_addr,
