@@ -10,6 +10,7 @@ rewrites of every field (hypothesis) end in a restore or a RestoreError, never a
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -446,8 +447,8 @@ def mutate(metadata: dict, data: st.DataObject) -> None:
     value = data.draw(st.sampled_from([DELETE, *HOSTILE_VALUES]), label="value")
     if value is DELETE:
         del parent[last]
-    else:
-        parent[last] = value
+    else:  # a copy: a later rewrite inside it must change neither HOSTILE_VALUES nor put a list in itself
+        parent[last] = copy.deepcopy(value)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
