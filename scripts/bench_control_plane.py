@@ -55,7 +55,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from etcd_server import EtcdServer  # noqa: E402
+from harness.etcd_server import EtcdServer  # noqa: E402
 
 BACKENDS = ("c10d", "etcd3", "etcd3-blob")
 RUN_ID = "bench"

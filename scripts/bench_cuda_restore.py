@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_restore import build_state, state_bytes
+from harness.bench_state import build_state, state_bytes
 
 import agent
 from agent.checkpoint import Checkpointer

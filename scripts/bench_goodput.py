@@ -22,9 +22,9 @@ workers, and comes back --rejoin-after-s seconds later. Approaches (--approaches
                        examples/classic_train.py: rank 0 torch.load + broadcast
   torchft              torchft 0.2.0: one replica group per node, a Lighthouse on node 0's side;
                        survivors go on, a rejoined group heals from a live peer
-                       (scripts/torchft_cluster.py)
+                       (scripts/harness/torchft_cluster.py)
   nvrx                 NVIDIA's nvidia-resiliency-ext 0.4.1: ft_launcher's in-job restarts and
-                       heartbeats, rank 0 torch.save / torch.load + broadcast (scripts/nvrx_cluster.py)
+                       heartbeats, rank 0 torch.save / torch.load + broadcast (scripts/harness/nvrx_cluster.py)
 The peers run from a virtual environment of their own (scripts/setup_peers.sh, made on first use).
 All save every --interval-steps steps. Rank 0 (of replica group 0 for torchft) marks every step
 with its samples (examples/mlp.py `mark`). torchrevive keeps examples/train.py's global batch (48
@@ -79,15 +79,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from local_cluster import ClassicCluster, Cluster, Nodes
-from plot_goodput import write_beside
-from workloads import GPT_SIZES, WORKLOADS, workload_of
-from local_ports import free_port
-from nvrx_cluster import NvrxCluster
-from peers_env import peers_python
-from torchft_cluster import TorchftCluster
-
 from agent.events import read_events
+from harness.goodput_plot import write_beside
+from harness.nodes import ClassicCluster, Cluster, Nodes
+from harness.nvrx_cluster import NvrxCluster
+from harness.peers_env import peers_python
+from harness.ports import free_port
+from harness.torchft_cluster import TorchftCluster
+from harness.workloads import GPT_SIZES, WORKLOADS, workload_of
 
 MAX_RESTARTS = 1000
 """torchrun's worker-failure restarts for every approach: more than any schedule's kills."""

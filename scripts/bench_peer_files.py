@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-from bench_restore import machine
+from harness.bench_state import machine
 
 from agent.memory import peer_files
 from agent.memory.peer_files import PeerFileClient, PeerFileServer

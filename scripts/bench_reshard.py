@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from local_ports import free_port
+from harness.ports import free_port
 
 WIDTH = 2048
 

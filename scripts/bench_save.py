@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_restore import WIDTH, build_state, dcp_state, machine, state_bytes
+from harness.bench_state import WIDTH, build_state, dcp_state, machine, state_bytes
 
 METHODS = ["torchrevive", "torchrevive_unthrottled", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save",
            "dcp_async_save"]

@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from simulate_scale import Assumptions, torchrevive
+from harness.scale_model import Assumptions, torchrevive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,8 +105,8 @@ def warm_worker_start(workers: int, width: int) -> dict[str, float]:
     building the example model under DDP: the fork, the group's init and the build, each until the
     last worker is through it."""
     from agent.warm_workers import WarmProcess, become_subreaper
-    from local_cluster import job_env
-    from local_ports import free_port
+    from harness.nodes import job_env
+    from harness.ports import free_port
 
     become_subreaper()
     port, env = free_port(), job_env()
@@ -190,7 +190,7 @@ def cluster_run(nodes: int, state_mb: float) -> dict:
 
 
 def _job_env() -> dict[str, str]:
-    from local_cluster import job_env
+    from harness.nodes import job_env
 
     return job_env()
 
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--state-mb", type=float, default=512, help="the local cluster's training state")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from workloads import width_for
+    from harness.workloads import width_for
 
     first_touch, overwrite = first_touch_gbps(), overwrite_gbps()
     efficiency = parallel_efficiency(args.size_gb / 4, args.repeats)

@@ -21,8 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TORCHREVIVE = [sys.executable, "-m", "launcher.cli"]
 sys.path.insert(0, str(REPO / "scripts"))
-from etcd_server import DEBIAN_ETCD, EtcdServer, distro_etcd  # noqa: E402
-from local_ports import free_port  # noqa: E402  (one helper for the tests and the scripts)
+from harness.etcd_server import DEBIAN_ETCD, EtcdServer, distro_etcd  # noqa: E402
+from harness.ports import free_port  # noqa: E402  (one helper for the tests and the scripts)
 
 __all__ = ["ETCD_3_4", "REPO", "SLOW", "TORCHREVIVE", "EtcdRelease", "free_port", "only_etcd_3_4",
            "start_torchrevive", "worker_env"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO, worker_env
-from etcd_server import etcd_available
+from harness.etcd_server import etcd_available
 
 NODES = 8
 

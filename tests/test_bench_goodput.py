@@ -20,9 +20,9 @@ from agent.events import read_events
 
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_goodput import LOSS_RTOL, Fault, loss_vs_fault_free, make_schedule, measure
-from peers_env import PeersUnavailable, peers_python
-from plot_goodput import draw
-from workloads import workload_of
+from harness.goodput_plot import draw
+from harness.peers_env import PeersUnavailable, peers_python
+from harness.workloads import workload_of
 
 DURATION_S = 60
 KILL_AT_S = 30

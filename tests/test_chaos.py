@@ -1,7 +1,7 @@
 """The chaos soak's short form: three seeded random faults (seed 21: a worker killed, a node frozen
 and thawed, two nodes killed one during the other's recovery) into one 3-node job with both tiers
 (memory snapshots every step, storage every 50) through the real harness CLI; the job must finish
-and pass every invariant (scripts/chaos.py). Then the finished job's files are damaged three ways,
+and pass every invariant (scripts/harness/chaos.py). Then the finished job's files are damaged three ways,
 and the checks must see each. No fault restarts a killed node:
 a node starting under load takes long enough for the others to finish a short job meanwhile."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 from conftest import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
-import chaos
+from harness import chaos
 import local_cluster
-from workloads import width_for
+from harness.workloads import width_for
 
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots
 from agent.events import read_events

@@ -45,8 +45,9 @@ from agent.rendezvous.etcd3_backend import (
 from agent.rendezvous.etcd3_client import Etcd3Connection, import_etcd3
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster
-from etcd_server import EtcdCluster, EtcdServer, enable_auth, etcd_available, make_certificates
+from harness.etcd_server import EtcdCluster, EtcdServer, enable_auth, etcd_available, make_certificates
+from harness.nodes import Cluster
+from harness.scenarios import run_scenarios
 
 if not etcd_available():
     if os.environ.get("CI"):
@@ -177,7 +178,7 @@ def harness_args(endpoint: str, **overrides):
 @only_etcd_3_4
 def test_losing_the_first_node_a_freeze_and_a_join_on_etcd3(etcd, tmp_path):
     # Node 0 started first: with c10d it hosts the store, and killing it ends the job.
-    runs = local_cluster.run_scenarios(harness_args(etcd.endpoint, scenario="kill,freeze,join"), tmp_path)
+    runs = run_scenarios(harness_args(etcd.endpoint, scenario="kill,freeze,join"), tmp_path)
     kill, freeze, join = runs
     assert (kill["world_size_before"], kill["world_size_after"]) == (3, 2)
     # The frozen node is dropped, then thawed: it rejoins (2 nodes again), and a new node makes 3.
@@ -187,7 +188,7 @@ def test_losing_the_first_node_a_freeze_and_a_join_on_etcd3(etcd, tmp_path):
 
 @only_etcd_3_4
 def test_an_etcd_restart_during_training_changes_nothing(etcd, tmp_path):
-    cluster = local_cluster.Cluster(harness_args(etcd.endpoint, nodes=2), tmp_path)
+    cluster = Cluster(harness_args(etcd.endpoint, nodes=2), tmp_path)
     try:
         cluster.start(0)
         cluster.start(1)

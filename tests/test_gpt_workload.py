@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, free_port, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster
-from workloads import GPT_SIZES, workload_of
+from harness.scenarios import run_scenarios
+from harness.workloads import GPT_SIZES, workload_of
 
 from agent.events import read_events
 
@@ -27,7 +27,7 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
                               workload="gpt", gpt_size="tiny", compile="on", in_process=in_process,
                               compile_cache="off" if in_process else "per-node")
-    [run] = local_cluster.run_scenarios(args, tmp_path)
+    [run] = run_scenarios(args, tmp_path)
     assert (run["world_size_before"], run["world_size_after"]) == (3, 2), run
     # In-process, the survivors re-shard the FSDP2 model in the same processes and restore it.
     assert (run["path"], run["fallback_reason"]) == ("in_process" if in_process else "restart", None), run
@@ -59,7 +59,7 @@ def test_a_joining_node_compiles_in_its_rehearsal_and_the_job_waits_for_no_compi
     args = argparse.Namespace(nodes=2, nproc_per_node=1, scenario="join", fault_node=1, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
                               workload="gpt", gpt_size="tiny", compile="on", in_process=True, compile_cache="per-node")
-    [join] = local_cluster.run_scenarios(args, tmp_path)
+    [join] = run_scenarios(args, tmp_path)
     assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 2, "in_process"), join
     events = read_events(tmp_path / "events.jsonl")
     [rehearsal] = [e for e in events if e["event"] == "rehearsal_done"]
@@ -88,7 +88,7 @@ def test_a_node_joining_with_the_memory_tier_takes_its_compile_caches_from_a_pee
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=5, timeout=240,
                               workload="gpt", gpt_size="tiny", compile="on", compile_cache="per-node",
                               memory_interval=2)
-    [join] = local_cluster.run_scenarios(args, tmp_path)
+    [join] = run_scenarios(args, tmp_path)
     assert (join["cause"], join["world_size_after"], join["compile_warm_from"]) == ("node_joined", 3, "peer"), join
     events = read_events(tmp_path / "events.jsonl")
     ready = [e["warm_from"] for e in events if e["event"] == "compile_cache_ready"]
@@ -155,7 +155,7 @@ def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_pa
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=3, timeout=240,
                               workload="gpt", gpt_size="tiny", compile="off", in_process=True)
     (tmp_path / "faulty").mkdir()
-    kill, join = local_cluster.run_scenarios(args, tmp_path / "faulty")
+    kill, join = run_scenarios(args, tmp_path / "faulty")
     assert [(run["world_size_after"], run["path"]) for run in (kill, join)] == [(3, "in_process"), (4, "in_process")]
     ours = losses(read_events(tmp_path / "faulty" / "marks.jsonl"))  # a step run again: its last loss
     assert max(ours) > join["restored_step"] > kill["restored_step"] > 0

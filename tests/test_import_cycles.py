@@ -1,7 +1,8 @@
-"""The product's modules (agent, launcher) import one another without a cycle: at module level
-(what runs when a module is first imported; imports under TYPE_CHECKING and inside functions are
-left out), the import graph is acyclic, so any module can be imported first. (A package's
-``__init__`` runs before its modules: that implicit step is no edge here.)"""
+"""The product's modules (agent, launcher) and the harness's (scripts/harness, with the command
+lines beside it) import one another without a cycle: at module level (what runs when a module is
+first imported; imports under TYPE_CHECKING and inside functions are left out), the import graph is
+acyclic, so any module can be imported first. (A package's ``__init__`` runs before its modules:
+that implicit step is no edge here.) And the scripts are command lines: none imports another."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ from pathlib import Path
 
 from conftest import REPO, parse_python
 
-PACKAGES = ("agent", "launcher")
+SCRIPTS = REPO / "scripts"
+PACKAGES = {REPO: ("agent", "launcher"), SCRIPTS: ("harness",)}
+"""Each import root and its packages (the scripts and the tests import the harness with scripts/ on
+their path)."""
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    root = SCRIPTS if path.is_relative_to(SCRIPTS) else REPO
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the product and of the harness, and every script, by its import name."""
+    found = {module_name(p): p for root, packages in PACKAGES.items() for package in packages
+             for p in (root / package).rglob("*.py")}
+    return {**found, **{module_name(p): p for p in SCRIPTS.glob("*.py")}}
 
 
 def module_level_imports(path: Path, modules: set[str]) -> set[str]:
@@ -49,8 +61,8 @@ def module_level_imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def test_the_products_modules_import_one_another_without_a_cycle():
-    paths = {module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+def test_the_modules_of_the_product_and_of_the_harness_import_one_another_without_a_cycle():
+    paths = modules()
     graph = {name: module_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
     cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
 
@@ -67,3 +79,15 @@ def test_the_products_modules_import_one_another_without_a_cycle():
         if state[name] == 0:
             walk(name, [name])
     assert len(graph) > 50 and not cycles, cycles
+
+
+def test_no_script_imports_another():
+    scripts = {p.stem for p in SCRIPTS.glob("*.py")}
+    imported = {}
+    for script in sorted(scripts):
+        for node in ast.walk(parse_python(SCRIPTS / f"{script}.py")):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if found := {name.split(".")[0] for name in names} & (scripts - {script}):
+                imported[script] = sorted(found)
+    assert len(scripts) > 10 and not imported, f"scripts that import scripts (shared parts go in harness/): {imported}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from conftest import REPO, start_torchrevive
 from test_recovery_e2e import assert_trained_as_without_faults, harness_args, train_through_a_node_loss
@@ -15,7 +16,7 @@ from agent.events import read_events
 from agent.recovery_timeline import recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster
+from harness.scenarios import run_scenarios
 
 
 def worker_pids(events: list[dict], before: float | None = None, after: float | None = None) -> dict[int, int]:
@@ -46,7 +47,7 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
 
 
 def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_process(tmp_path):
-    join, freeze, crash, during = local_cluster.run_scenarios(
+    join, freeze, crash, during = run_scenarios(
         harness_args(scenario="join,freeze,kill-worker,kill-during-restore", in_process=True), tmp_path)
     # The new node's worker heals from a live peer: nothing is read from storage.
     assert (join["cause"], join["world_size_after"], join["path"]) == ("node_joined", 3, "in_process"), join

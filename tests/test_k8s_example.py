@@ -34,7 +34,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port
 from dockerfile import numeric_uid, parse_dockerfile
-from etcd_server import OPENSSL, etcd_available
+from harness.etcd_server import OPENSSL, etcd_available
 from k8s_local_pod import POD_IP, container_env, expand, local_paths, map_addresses, mount_volumes
 from k8s_network_policies import Pod, admits, isolated
 from k8s_schemas import manifest_errors, pod_template_errors, strict_structural_schema

@@ -32,7 +32,8 @@ from agent.liveness import (
 from agent.events import read_events
 
 from conftest import REPO
-from test_recovery_e2e import harness_args, local_cluster
+from harness.scenarios import run_scenarios
+from test_recovery_e2e import harness_args
 
 PEER = textwrap.dedent("""
     import signal, sys, time
@@ -239,7 +240,7 @@ def test_an_address_that_is_not_the_nodes_is_never_connected_to(store, caplog):
 
 
 def test_survivors_see_a_killed_node_lost_from_its_closed_connection(tmp_path):
-    runs = local_cluster.run_scenarios(harness_args(scenario="kill"), tmp_path)
+    runs = run_scenarios(harness_args(scenario="kill"), tmp_path)
     assert runs[0]["cause"] == "node_lost" and (runs[0]["world_size_before"], runs[0]["world_size_after"]) == (3, 2)
     losses = [e for e in read_events(tmp_path / "events.jsonl")
               if e["event"] == "membership_change" and e["cause"] == "node_lost"]

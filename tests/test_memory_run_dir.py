@@ -43,7 +43,7 @@ from agent.memory.saver import MemorySaver
 from agent.memory.tier import MemoryChoice, MemoryTier
 
 sys.path.insert(0, str(REPO / "scripts"))
-from etcd_server import EtcdServer, etcd_available
+from harness.etcd_server import EtcdServer, etcd_available
 
 
 def tier_of(base: Path, run_id: str = "job") -> MemoryTier:

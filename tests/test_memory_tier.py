@@ -29,8 +29,8 @@ from agent.memory.tier import MemoryChoice, MemoryTier, newest_complete
 from agent.recovery_timeline import recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
-import chaos
-import local_cluster
+from harness import chaos
+from harness.nodes import Cluster
 
 STEPS = 150
 
@@ -88,7 +88,7 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
     faulty = tmp_path / "faulty"
     faulty.mkdir()
     args = memory_args(steps=STEPS, train_args=["--log-samples", str(faulty / "samples.jsonl")])
-    cluster = local_cluster.Cluster(args, faulty)
+    cluster = Cluster(args, faulty)
     try:
         cluster.start_all(3)
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
@@ -122,7 +122,7 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
 
 def test_a_joining_node_is_admitted_right_after_a_memory_snapshot_and_restarts_from_it(tmp_path):
     # A memory snapshot every 200 steps (about 2 s here), storage's far apart: the join waits.
-    cluster = local_cluster.Cluster(memory_args(memory_interval=200, interval_steps=5000), tmp_path)
+    cluster = Cluster(memory_args(memory_interval=200, interval_steps=5000), tmp_path)
     try:
         cluster.start_all(2)
         cluster.wait_for(lambda ev: len([e for e in ev if e["event"] == "memory_save_committed"]) >= 2, 120,
@@ -158,7 +158,7 @@ def test_a_joining_node_is_admitted_right_after_a_memory_snapshot_and_restarts_f
 
 def test_two_buddies_lost_together_restore_from_storage(tmp_path):
     # Node 1's files live on node 1 and its buddy node 2: with both gone, no memory snapshot is whole.
-    cluster = local_cluster.Cluster(memory_args(), tmp_path)
+    cluster = Cluster(memory_args(), tmp_path)
     try:
         cluster.start_all(3)
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
@@ -176,7 +176,7 @@ def test_two_buddies_lost_together_restore_from_storage(tmp_path):
 
 
 def test_a_damaged_memory_file_falls_back_to_storage(tmp_path):
-    cluster = local_cluster.Cluster(memory_args(), tmp_path)
+    cluster = Cluster(memory_args(), tmp_path)
     try:
         cluster.start_all(3)
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
@@ -225,7 +225,7 @@ def test_a_save_that_is_not_committed_leaves_no_ram_behind(tmp_path):
 
 
 def test_a_full_tmpfs_warns_and_the_storage_tier_goes_on(tmp_path):
-    cluster = local_cluster.Cluster(memory_args(memory_mb=1, state_mb=8), tmp_path)
+    cluster = Cluster(memory_args(memory_mb=1, state_mb=8), tmp_path)
     try:
         cluster.start_all(3)
         events = cluster.wait_for(lambda ev: len([e for e in ev if e["event"] == "save_committed"]) >= 2 and ev, 120,

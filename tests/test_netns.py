@@ -1,4 +1,4 @@
-"""Nodes in network namespaces of their own (scripts/local_cluster.py --netns, scripts/netns.py):
+"""Nodes in network namespaces of their own (scripts/local_cluster.py --netns, scripts/harness/netns.py):
 each agent and its workers bind and advertise their own address, and network faults (a cut link,
 a slow link) are survived. Needs root and `ip netns` (CI runs as root); skipped otherwise."""
 
@@ -15,9 +15,9 @@ import pytest
 from conftest import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
-import local_cluster
-import netns
-from local_ports import free_port
+from harness import netns
+from harness.ports import free_port
+from harness.scenarios import run_scenarios
 
 from agent.checkpoint.dirs import committed_snapshots
 from agent.checkpoint.verify import check_snapshot
@@ -50,8 +50,9 @@ def test_each_node_has_its_address_and_the_store_host_knows_itself():
 
 
 def test_a_dead_runs_namespaces_are_found_and_removed():
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'scripts'); import netns; "
-                               "netns.Network(2).create(); print('up', flush=True); time.sleep(60)"],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'scripts'); "
+                               "from harness import netns; netns.Network(2).create(); print('up', flush=True); "
+                               "time.sleep(60)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "up"
@@ -97,7 +98,7 @@ def netns_args(network: netns.Network, **overrides) -> argparse.Namespace:
 
 
 def test_a_slow_link_a_partition_and_a_kill_between_namespaces(network, tmp_path):
-    runs = local_cluster.run_scenarios(netns_args(network, scenario="slow-link,partition,kill"), tmp_path)
+    runs = run_scenarios(netns_args(network, scenario="slow-link,partition,kill"), tmp_path)
     slow, cut, kill = runs
     # A slow link: training went on, and nobody was declared lost.
     assert slow["commits"] > 0 and slow["false_node_lost"] == 0 and slow["membership_changes"] == []

@@ -20,9 +20,10 @@ from agent.checkpoint.verify import check_snapshot
 from agent.checkpoint.dirs import committed_snapshots
 
 sys.path.insert(0, str(REPO / "scripts"))
-import chaos
-import local_cluster
-from workloads import mlp_workload
+from harness import chaos
+from harness.nodes import Cluster
+from harness.scenarios import run_scenarios
+from harness.workloads import mlp_workload
 
 
 def harness_args(**overrides) -> argparse.Namespace:
@@ -33,8 +34,7 @@ def harness_args(**overrides) -> argparse.Namespace:
 
 
 def test_a_starved_node_then_freeze_thaw_kill_join_and_a_worker_crash_in_a_row(tmp_path):
-    runs = local_cluster.run_scenarios(harness_args(scenario="cpu-hog,freeze,kill,join,kill-worker", slow_s=8),
-                                       tmp_path)
+    runs = run_scenarios(harness_args(scenario="cpu-hog,freeze,kill,join,kill-worker", slow_s=8), tmp_path)
     hog, runs = runs[0], runs[1:]
     # A node starved of CPU (nice 10 beside two busy processes a core) is slow, not lost.
     assert hog["ok"] and hog["membership_changes"] == [], hog
@@ -83,7 +83,7 @@ def train_through_a_node_loss(work, **overrides) -> float:
     a snapshot committed; when it was killed."""
     args = harness_args(scenario="kill", steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
                         **overrides)
-    cluster = local_cluster.Cluster(args, work)
+    cluster = Cluster(args, work)
     cluster.workload = mlp_workload(WIDTH)
     try:
         for index in range(3):
@@ -127,7 +127,7 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
 
 
 def test_failures_during_a_save_and_during_a_restore(tmp_path):
-    runs = local_cluster.run_scenarios(harness_args(scenario="kill-during-save,join,kill-during-restore"), tmp_path)
+    runs = run_scenarios(harness_args(scenario="kill-during-save,join,kill-during-restore"), tmp_path)
     during_save, join, during_restore = runs
     assert (during_save["world_size_before"], during_save["world_size_after"]) == (3, 2)
     assert join["world_size_after"] == 3
@@ -144,7 +144,7 @@ def test_standby_nodes_keep_the_world_size_a_multiple(tmp_path):
     """world_size_multiple_of 2 with 3 one-worker nodes: one node stands by; when an active node
     dies, the standby one takes its place and the world stays at 2; a finished job ends every
     agent, the standby one included."""
-    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=400), tmp_path)
+    cluster = Cluster(harness_args(multiple_of=2, steps=400), tmp_path)
     try:
         for index in range(3):
             cluster.start(index)
@@ -169,7 +169,7 @@ def test_standby_nodes_keep_the_world_size_a_multiple(tmp_path):
 def test_a_finished_job_ends_its_standby_node_too(tmp_path):
     # Three nodes at least: a node that reached the rendezvous after a 20-step job ended would find
     # its store host gone and fail, as under torchrun.
-    cluster = local_cluster.Cluster(harness_args(multiple_of=2, steps=20, min_nodes=3), tmp_path)
+    cluster = Cluster(harness_args(multiple_of=2, steps=20, min_nodes=3), tmp_path)
     try:
         for index in range(3):
             cluster.start(index)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simulate_scale import (  # scripts/ is on the path through conftest
+from harness.scale_model import (  # scripts/ is on the path through conftest
     Assumptions,
     classic,
     round_after_loss,

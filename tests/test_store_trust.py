@@ -39,7 +39,7 @@ from agent.rendezvous.round_keys import RESTORE_FROM_KEY, WORKER_STORE_KEY
 from agent.rendezvous.round_values import RoundLeftBehind
 
 sys.path.insert(0, str(REPO / "scripts"))
-from etcd_server import EtcdServer, etcd_available  # noqa: E402
+from harness.etcd_server import EtcdServer, etcd_available  # noqa: E402
 
 AGENT_TIMEOUT_S = 120
 

@@ -1,5 +1,5 @@
 """examples/classic_train.py's job under NVIDIA's nvidia-resiliency-ext 0.4.1 (`ft_launcher`,
-scripts/nvrx_cluster.py): that script's training (the same model, Adam, data per step, marks and
+scripts/harness/nvrx_cluster.py): that script's training (the same model, Adam, data per step, marks and
 flags; rank 0 `torch.save`s the whole state every --interval-steps and on every (re)start
 `torch.load`s it and broadcasts every tensor), plus nvrx's fault-tolerance client as its heartbeats guide recommends
 (docs/source/fault_tolerance/integration/heartbeats.rst, examples/fault_tolerance/basic_ft_example.py):
@@ -14,7 +14,7 @@ The guide's optional steps that keep calculated timeouts for the next run (``sta
 start with no checkpoint to load, and a restart that loads and broadcasts one can outlast it (seen
 on 2 busy cores: a 9 s timeout, a restart's 8.8 s to its first heartbeat); a rank killed for that
 would meet the same timeout at every further restart. So every (re)start heartbeats under
-ft_launcher's fixed timeouts (scripts/nvrx_cluster.py) until it has calculated its own.
+ft_launcher's fixed timeouts (scripts/harness/nvrx_cluster.py) until it has calculated its own.
 
 Runs from the peers' environment: plain torch, nvrx and the examples only.
 """

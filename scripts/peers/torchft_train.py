@@ -1,4 +1,4 @@
-"""examples/classic_train.py's job as one torchft 0.2.0 replica group (scripts/torchft_cluster.py
+"""examples/classic_train.py's job as one torchft 0.2.0 replica group (scripts/harness/torchft_cluster.py
 starts one per node, each its own torchrun job): the same model, Adam and MSE loss on the same
 data, with torchft's fault-tolerant data parallelism: a torchft ``Manager`` per rank, whose
 quorum (from the Lighthouse) names the replica groups of each step, ``Manager.allreduce`` to
@@ -27,7 +27,7 @@ Configuration (flags; every value, with where torchft recommends it):
                                    keep it high, above a step (and above ``timeout``)
   Manager(connect_timeout=60 s)    --connect-timeout-s  Manager's default
   Manager(heartbeat_interval=100 ms) --heartbeat-interval-ms  Manager's default (the Lighthouse
-                                   drops a group after its --heartbeat_timeout_ms: see scripts/torchft_cluster.py)
+                                   drops a group after its --heartbeat_timeout_ms: see scripts/harness/torchft_cluster.py)
   Manager(use_async_quorum=True, init_sync=True, quorum_retries=0, max_retries=None)  defaults
   ProcessGroupGloo(timeout=5 s)    --pg-timeout-s  train_ddp.py ``ProcessGroupGloo(timeout=timedelta(seconds=5))``
   PGTransport(timeout=10 s)        --transport-timeout-s  train_ddp.py: the healing state goes over the

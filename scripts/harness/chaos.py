@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from local_cluster import REPO, Cluster, job_env, partition
+from harness.faults import partition
+from harness.nodes import REPO, Cluster, job_env
 
 from agent import restore
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots, snapshot_dir, step_of

@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from local_cluster import Nodes, job_env, per_rank_batch
-from workloads import width_for
-from local_ports import free_port
+from harness.nodes import Nodes, job_env, per_rank_batch
+from harness.ports import free_port
+from harness.workloads import width_for
 
 LAST_CALL_S = 1
 """The rendezvous' last call, lowered from torch's 30 s (ft_launcher's default; its docs recommend no

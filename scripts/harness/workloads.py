@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: examples.*
 from examples.gpt.model import GPT, count_parameters  # noqa: E402
 from examples.gpt.train import model_config, parse_args  # noqa: E402
 

@@ -35,9 +35,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from local_cluster import REPO, Nodes, job_env, per_rank_batch
-from workloads import width_for
-from local_ports import free_port, wait_listening
+from harness.nodes import REPO, Nodes, job_env, per_rank_batch
+from harness.ports import free_port, wait_listening
+from harness.workloads import width_for
 
 LIGHTHOUSE = {"min_replicas": 1, "quorum_tick_ms": 100, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}
 """torchft_lighthouse's flags: the README's, and heartbeat_timeout_ms lowered for fast recovery."""
