@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from harness.bench_state import build_state, state_bytes
 
 import agent
 from agent.checkpoint import Checkpointer
+from harness.bench_state import build_state, state_bytes
 
 
 def timed(action, repeats: int) -> float:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-from harness.bench_state import machine
 
 from agent.memory import peer_files
 from agent.memory.peer_files import PeerFileClient, PeerFileServer
+from harness.bench_state import machine
 
 MACS: dict[str, Callable[[bytes, bytes], Any]] = {
     "blake3": lambda key, prefix: blake3.blake3(prefix, key=key),

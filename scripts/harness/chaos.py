@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness.faults import partition
-from harness.nodes import REPO, Cluster, job_env
 
 from agent import restore
 from agent.checkpoint.dirs import COMMIT_MARKER, committed_snapshots, snapshot_dir, step_of
@@ -39,6 +37,8 @@ from agent.errors import RestoreError
 from agent.events import read_events
 from agent.memory.layout import MemorySnapshot
 from agent.recovery_timeline import recovery_after
+from harness.faults import partition
+from harness.nodes import REPO, Cluster, job_env
 
 FAULT_KINDS = ("kill", "freeze", "partition", "join", "kill-worker", "kill-during-save", "kill-during-restore")
 TOLERANCE = 1e-5
