@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHREVIVE = [sys.executable, "-m", "launcher.cli"]
 sys.path.insert(0, str(REPO / "scripts"))
 from harness.etcd_server import DEBIAN_ETCD, EtcdServer, distro_etcd  # noqa: E402
+from harness.nodes import job_env as worker_env  # noqa: E402  (launched jobs' environment, the harness's)
 from harness.ports import free_port  # noqa: E402  (one helper for the tests and the scripts)
 
 __all__ = ["ETCD_3_4", "REPO", "SLOW", "TORCHREVIVE", "EtcdRelease", "free_port", "only_etcd_3_4",
@@ -75,15 +76,6 @@ def parse_python(path: Path) -> ast.Module:
                 raise
             time.sleep(0.1)
     return ast.parse(path.read_text(), filename=str(path))
-
-
-def worker_env() -> dict[str, str]:
-    """The environment for launched jobs: the repo importable, one thread per worker, and no
-    PET_* variables from the caller's shell leaking into the job."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def start_torchrevive(args: Sequence[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
