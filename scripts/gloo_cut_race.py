@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.ports import free_port  # noqa: E402
 
 MODES = {"both_at_once": "SHUT_RDWR at once", "reading_first": "agent.round_sockets.RoundConnections.cut"}
 
@@ -67,9 +68,7 @@ def trial(mode: str, seed: int, wait_s: float) -> bool:
     """Whether rank 1 left its collective within ``wait_s`` of the start."""
     context = multiprocessing.get_context("spawn")
     left = context.Event()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ranks = [context.Process(target=_rank, args=(r, port, mode, seed, left)) for r in (0, 1)]
     for process in ranks:
         process.start()
