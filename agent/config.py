@@ -3,7 +3,8 @@ that name the key, the value and where it came from.
 
 Every torchrun flag has a home in the tree (see ``launcher/torchrun_flags.py`` for the mapping),
 so a YAML file can say anything a torchrun command line can, and ``--print-config`` shows the
-whole resolved job.
+whole resolved job. The tree is pydantic models: ``torchrevive schema`` prints their JSON Schema,
+which YAML editors use to complete and check a job file.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import dataclasses
 import difflib
 import functools
 import re
-import types
 import typing
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NewType, Union
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from agent.timeouts import (
     DEFAULT_JOIN_WAIT_S,
@@ -31,10 +33,6 @@ from agent.timeouts import (
     derived_join_wait_s,
     derived_process_group_timeout_s,
 )
-
-Seconds = NewType("Seconds", float)
-"""A duration in seconds. YAML and overrides accept a number or a string with a unit:
-``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``."""
 
 DEVICE_NPROC_VALUES = ("auto", "cpu", "gpu", "xpu")
 
@@ -75,197 +73,6 @@ _RDZV_DURATION_KEYS = frozenset(k for k in _DYNAMIC_RDZV_KEYS if k.endswith("tim
 
 class ConfigError(ValueError):
     """A job config value is wrong. The message names the source, the key and the fix."""
-
-
-@dataclass(kw_only=True)
-class JobSection:
-    """Who the job is and how big it may be (torchrun: --rdzv-id, --nnodes, --nproc-per-node,
-    --max-restarts, --monitor-interval, --role)."""
-
-    id: str = "none"
-    nnodes: int | str = "1:1"
-    nproc_per_node: int | str = 1
-    max_restarts: int = 0
-    monitor_interval: Seconds = Seconds(0.1)
-    role: str = "default"
-
-
-@dataclass(kw_only=True)
-class RendezvousSection:
-    """The rendezvous backend (torchrun: --rdzv-backend, --rdzv-endpoint, --rdzv-conf,
-    --standalone). ``conf`` uses torchrun's rdzv-conf key names; durations in seconds."""
-
-    backend: str = "static"
-    endpoint: str = ""
-    conf: dict[str, Any] = field(default_factory=dict)
-    standalone: bool = False
-
-
-@dataclass(kw_only=True)
-class LaunchSection:
-    """How workers are started and where their output goes: the remaining torchrun flags, with
-    torchrun's names and defaults."""
-
-    start_method: Literal["spawn", "fork", "forkserver"] = "spawn"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
-    log_dir: str | None = None
-    redirects: str = "0"
-    tee: str = "0"
-    local_ranks_filter: str = ""
-    duplicate_stdout_filters: list[str] = field(default_factory=list)
-    duplicate_stderr_filters: list[str] = field(default_factory=list)
-    logs_specs: str | None = None
-    event_log_handler: str = "null"
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    local_addr: str | None = None
-    numa_binding: str | None = None
-    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    shutdown_timeout: int | None = None
-    virtual_local_rank: bool = False
-    warm_workers: bool = True
-    """Fork each round's workers from a warm process that has imported torch (not a torchrun flag)."""
-    preload: list[str] = field(default_factory=lambda: ["torch._dynamo"])
-    """Modules the warm process imports after torch and torchrevive's worker API: the training
-    script's heavy imports (torch._dynamo: DDP's constructor and torch.compile import it)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointSection:
-    """Where and how often snapshots are written, and how many are kept."""
-
-    dir: str | None = None
-    interval_steps: int = 100
-    keep: int = 3
-    staging: bool = True
-    on_busy: Literal["wait", "skip"] = "wait"
-    verify: Literal["off", "sample", "full"] = "sample"
-    writer_nice: int = 10
-    """The niceness (0-19) of the threads that write snapshots in the background: 10 lets training
-    have the CPU first; 0 writes at training's priority."""
-    write_threads: int = 2
-    """Snapshot writes in flight at once per rank (torchsnapshot's default: 16)."""
-    memory_interval_steps: int = 0
-    """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
-    memory_dir: str | None = None
-    """Where a node's agent makes its run's memory directory, torchrevive-<job.id> (default:
-    /dev/shm): a tmpfs of this user's or root's that no other user can write to unless it is
-    sticky. The directory is the live agent's alone: removed at its end, or by the run's next agent
-    on the node when its agent died."""
-    memory_secret_file: str | None = None
-    """A file (mode 600) holding the secret agents prove to each other; default: one drawn by the
-    first agent and shared through the rendezvous store."""
-
-
-@dataclass(kw_only=True)
-class RestoreSection:
-    """How each rank reads its share of a snapshot."""
-
-    io_threads: int | None = None
-    replicated: Literal["all", "stripe"] = "all"
-    trust_pickles: bool = False
-    prefetch: bool = True
-    pinned_mb: int = 256
-    """Pinned host memory (MiB) a rank may use to stage CUDA destinations while it restores."""
-
-
-@dataclass(kw_only=True)
-class ElasticSection:
-    """Which world sizes are valid, and the global batch to keep across them."""
-
-    world_size_multiple_of: int = 1
-    global_batch_size: int | None = None
-    micro_batch_size: int | None = None
-    stop_grace: Seconds = Seconds(3.0)
-    """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
-    join_wait: Seconds = Seconds(DEFAULT_JOIN_WAIT_S)
-    """A joining node is admitted at the next committed snapshot (memory or storage) when the
-    snapshots so far say one is due within this long: training goes on meanwhile, and the restart
-    then loses only the steps trained while the workers stop. 0: admitted at once. Unset: 30 s, or
-    half of what rendezvous.conf.join_timeout leaves after the last call, if that is less."""
-    in_process: bool = False
-    """Survivors of a membership change keep their processes: their workers leave the round and
-    re-form in the next one (a training script written with ``agent.run_resilient``); a node
-    whose workers do not all leave within ``in_process_deadline`` restarts them."""
-    in_process_deadline: Seconds = Seconds(5.0)
-    rehearse_joins: bool = True
-    """With in_process: a node joining a running job starts its workers before it asks to join;
-    they run the script's warm-up (``agent.run_resilient(warmup=...)``: build, shard, compile) in a
-    round of this node alone while the job trains, and are handed their first round in-process."""
-    rehearsal_deadline: Seconds = Seconds(300.0)
-    """How long a rehearsal may take; beyond it the node joins with workers started anew."""
-    process_group_timeout: Seconds = Seconds(DEFAULT_PROCESS_GROUP_TIMEOUT_S)
-    """The timeout of the workers' process groups (``WorkerContext.process_group_timeout``; used by
-    ``agent.run_resilient``). Unset: 600 s, or twice hung-node detection + stop_grace if longer."""
-
-
-@dataclass(kw_only=True)
-class CompileSection:
-    """Where torch.compile's caches live on each node (:mod:`agent.compile_cache`). Cache entries
-    are code the workers run: nothing is kept or shared unless the job says so."""
-
-    cache_dir: str | None = None
-    """A directory on this node that outlives its workers (and, in a container, the container):
-    the workers' inductor caches go there, so a worker restarted on the node compiles from them.
-    None: torch's own default (a directory under /tmp)."""
-    share: bool = False
-    """With ``cache_dir``: the round's leader keeps a copy of its node's caches in the checkpoint
-    directory after each commit, and a node whose caches are empty starts from it. Whoever can
-    write the checkpoint directory can then run code on every node."""
-
-
-@dataclass(kw_only=True)
-class ObservabilitySection:
-    """Where recovery events go. The metrics port is unauthenticated: bind it to a private
-    address."""
-
-    event_log: str | None = None
-    metrics_port: int | None = None
-    metrics_addr: str = "127.0.0.1"
-
-
-@dataclass(kw_only=True)
-class JobConfig:
-    """The whole job: every section above."""
-
-    job: JobSection = field(default_factory=JobSection)
-    rendezvous: RendezvousSection = field(default_factory=RendezvousSection)
-    launch: LaunchSection = field(default_factory=LaunchSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    restore: RestoreSection = field(default_factory=RestoreSection)
-    elastic: ElasticSection = field(default_factory=ElasticSection)
-    compile: CompileSection = field(default_factory=CompileSection)
-    observability: ObservabilitySection = field(default_factory=ObservabilitySection)
-
-    @property
-    def min_max_nodes(self) -> tuple[int, int]:
-        """``job.nnodes`` as (min, max); valid once the config is validated."""
-        return parse_nnodes(self.job.nnodes)
-
-    def get(self, path: str) -> Any:
-        """The value at a dotted key path, e.g. ``"checkpoint.keep"``."""
-        section, name = _split_path(path)
-        return getattr(getattr(self, section), name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dicts, ready for YAML."""
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        """The resolved config as YAML, loadable by :func:`load_config`, secrets redacted."""
-        document = self.to_dict()
-        conf = document["rendezvous"]["conf"]
-        for key in SECRET_RDZV_CONF_KEYS & conf.keys():
-            conf[key] = REDACTED
-        return yaml.safe_dump(document, sort_keys=False)
-
-
-def all_key_paths() -> list[str]:
-    """Every settable key of the config, as ``section.name``."""
-    return list(_key_hints())
 
 
 def parse_nnodes(value: int | str) -> tuple[int, int]:
@@ -312,13 +119,229 @@ def parse_endpoints(value: str) -> list[tuple[str, int | None]]:
     return endpoints
 
 
+def _comma_list(value: Any) -> Any:
+    """A comma-separated string as a list, as torchrun's flags give lists; anything else as is."""
+    return [item for item in value.split(",") if item] if isinstance(value, str) else value
+
+
+def _string_keys(value: Any) -> Any:
+    """A mapping's keys as strings (YAML reads ``1: x`` as an int key); anything else as is."""
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+
+_DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"
+Seconds = Annotated[
+    float,
+    BeforeValidator(parse_seconds),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": _DURATION_PATTERN}],
+                    "description": "seconds: a number, or a string with a unit: '500ms', '30s', '2m', '1h'"}),
+]
+"""A duration in seconds. YAML and overrides accept a number or a string with a unit:
+``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``."""
+StringList = Annotated[
+    list[str],
+    BeforeValidator(_comma_list),
+    WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}],
+                    "description": "a list of strings, or one string of them separated by commas"}),
+]
+StringKeyed = Annotated[dict[str, Any], BeforeValidator(_string_keys)]
+
+
+class _Section(BaseModel):
+    """A part of the job config: its keys typed and checked strictly (``true`` is not a number, a
+    number is not a string), on load and on every assignment; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
+
+
+class JobSection(_Section):
+    """Who the job is and how big it may be (torchrun: --rdzv-id, --nnodes, --nproc-per-node,
+    --max-restarts, --monitor-interval, --role)."""
+
+    id: str = "none"
+    nnodes: int | str = "1:1"
+    nproc_per_node: int | str = 1
+    max_restarts: int = 0
+    monitor_interval: Seconds = 0.1
+    role: str = "default"
+
+
+class RendezvousSection(_Section):
+    """The rendezvous backend (torchrun: --rdzv-backend, --rdzv-endpoint, --rdzv-conf,
+    --standalone). ``conf`` uses torchrun's rdzv-conf key names; durations in seconds."""
+
+    backend: str = "static"
+    endpoint: str = ""
+    conf: StringKeyed = Field(default_factory=dict)
+    standalone: bool = False
+
+
+class LaunchSection(_Section):
+    """How workers are started and where their output goes: the remaining torchrun flags, with
+    torchrun's names and defaults."""
+
+    start_method: Literal["spawn", "fork", "forkserver"] = "spawn"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    duplicate_stdout_filters: StringList = Field(default_factory=list)
+    duplicate_stderr_filters: StringList = Field(default_factory=list)
+    logs_specs: str | None = None
+    event_log_handler: str = "null"
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    numa_binding: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    shutdown_timeout: int | None = None
+    virtual_local_rank: bool = False
+    warm_workers: bool = True
+    """Fork each round's workers from a warm process that has imported torch (not a torchrun flag)."""
+    preload: StringList = Field(default_factory=lambda: ["torch._dynamo"])
+    """Modules the warm process imports after torch and torchrevive's worker API: the training
+    script's heavy imports (torch._dynamo: DDP's constructor and torch.compile import it)."""
+
+
+class CheckpointSection(_Section):
+    """Where and how often snapshots are written, and how many are kept."""
+
+    dir: str | None = None
+    interval_steps: int = 100
+    keep: int = 3
+    staging: bool = True
+    on_busy: Literal["wait", "skip"] = "wait"
+    verify: Literal["off", "sample", "full"] = "sample"
+    writer_nice: int = 10
+    """The niceness (0-19) of the threads that write snapshots in the background: 10 lets training
+    have the CPU first; 0 writes at training's priority."""
+    write_threads: int = 2
+    """Snapshot writes in flight at once per rank (torchsnapshot's default: 16)."""
+    memory_interval_steps: int = 0
+    """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
+    memory_dir: str | None = None
+    """Where a node's agent makes its run's memory directory, torchrevive-<job.id> (default:
+    /dev/shm): a tmpfs of this user's or root's that no other user can write to unless it is
+    sticky. The directory is the live agent's alone: removed at its end, or by the run's next agent
+    on the node when its agent died."""
+    memory_secret_file: str | None = None
+    """A file (mode 600) holding the secret agents prove to each other; default: one drawn by the
+    first agent and shared through the rendezvous store."""
+
+
+class RestoreSection(_Section):
+    """How each rank reads its share of a snapshot."""
+
+    io_threads: int | None = None
+    replicated: Literal["all", "stripe"] = "all"
+    trust_pickles: bool = False
+    prefetch: bool = True
+    pinned_mb: int = 256
+    """Pinned host memory (MiB) a rank may use to stage CUDA destinations while it restores."""
+
+
+class ElasticSection(_Section):
+    """Which world sizes are valid, and the global batch to keep across them."""
+
+    world_size_multiple_of: int = 1
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    stop_grace: Seconds = 3.0
+    """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
+    join_wait: Seconds = DEFAULT_JOIN_WAIT_S
+    """A joining node is admitted at the next committed snapshot (memory or storage) when the
+    snapshots so far say one is due within this long: training goes on meanwhile, and the restart
+    then loses only the steps trained while the workers stop. 0: admitted at once. Unset: 30 s, or
+    half of what rendezvous.conf.join_timeout leaves after the last call, if that is less."""
+    in_process: bool = False
+    """Survivors of a membership change keep their processes: their workers leave the round and
+    re-form in the next one (a training script written with ``agent.run_resilient``); a node
+    whose workers do not all leave within ``in_process_deadline`` restarts them."""
+    in_process_deadline: Seconds = 5.0
+    rehearse_joins: bool = True
+    """With in_process: a node joining a running job starts its workers before it asks to join;
+    they run the script's warm-up (``agent.run_resilient(warmup=...)``: build, shard, compile) in a
+    round of this node alone while the job trains, and are handed their first round in-process."""
+    rehearsal_deadline: Seconds = 300.0
+    """How long a rehearsal may take; beyond it the node joins with workers started anew."""
+    process_group_timeout: Seconds = DEFAULT_PROCESS_GROUP_TIMEOUT_S
+    """The timeout of the workers' process groups (``WorkerContext.process_group_timeout``; used by
+    ``agent.run_resilient``). Unset: 600 s, or twice hung-node detection + stop_grace if longer."""
+
+
+class CompileSection(_Section):
+    """Where torch.compile's caches live on each node (:mod:`agent.compile_cache`). Cache entries
+    are code the workers run: nothing is kept or shared unless the job says so."""
+
+    cache_dir: str | None = None
+    """A directory on this node that outlives its workers (and, in a container, the container):
+    the workers' inductor caches go there, so a worker restarted on the node compiles from them.
+    None: torch's own default (a directory under /tmp)."""
+    share: bool = False
+    """With ``cache_dir``: the round's leader keeps a copy of its node's caches in the checkpoint
+    directory after each commit, and a node whose caches are empty starts from it. Whoever can
+    write the checkpoint directory can then run code on every node."""
+
+
+class ObservabilitySection(_Section):
+    """Where recovery events go. The metrics port is unauthenticated: bind it to a private
+    address."""
+
+    event_log: str | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+
+
+class JobConfig(_Section):
+    """A torchrevive job config (``torchrevive run --config job.yaml``), section by section."""
+
+    job: JobSection = Field(default_factory=JobSection)
+    rendezvous: RendezvousSection = Field(default_factory=RendezvousSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    restore: RestoreSection = Field(default_factory=RestoreSection)
+    elastic: ElasticSection = Field(default_factory=ElasticSection)
+    compile: CompileSection = Field(default_factory=CompileSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+
+    @property
+    def min_max_nodes(self) -> tuple[int, int]:
+        """``job.nnodes`` as (min, max); valid once the config is validated."""
+        return parse_nnodes(self.job.nnodes)
+
+    def get(self, path: str) -> Any:
+        """The value at a dotted key path, e.g. ``"checkpoint.keep"``."""
+        section, name = _split_path(path)
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts, ready for YAML."""
+        return self.model_dump()
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, loadable by :func:`load_config`, secrets redacted."""
+        document = self.to_dict()
+        conf = document["rendezvous"]["conf"]
+        for key in SECRET_RDZV_CONF_KEYS & conf.keys():
+            conf[key] = REDACTED
+        return yaml.safe_dump(document, sort_keys=False)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a job config file (``torchrevive schema``), for YAML editors."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **JobConfig.model_json_schema()}
+
+
 def load_config(path: str | Path | None, sources: dict[str, str] | None = None) -> JobConfig:
     """Read a YAML job config (None: the defaults). Each key the file sets is recorded in
     ``sources`` (key path -> "file: key") for later messages; :func:`validate` checks the rules
     between keys."""
-    config = JobConfig()
     if path is None:
-        return config
+        return JobConfig()
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -332,17 +355,24 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
         document = {}
     if not isinstance(document, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, e.g. 'job:'")
+    sections = list(JobConfig.model_fields)
     for section, values in document.items():
-        if section not in _section_names():
-            raise ConfigError(f"{source}: unknown section '{section}'{_did_you_mean(str(section), _section_names())}")
-        if values is None:
-            continue
-        if not isinstance(values, dict):
+        if section not in sections:
+            raise ConfigError(f"{source}: unknown section '{section}'{_did_you_mean(str(section), sections)}")
+        if values is not None and not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of keys")
-        for name, value in values.items():
-            key = f"{section}.{name}"
-            set_value(config, key, value, source=f"{source}: {key}")
-            if sources is not None:
+    document = {section: _current_names(section, values, source) for section, values in document.items() if values}
+    try:
+        config = JobConfig.model_validate(document)
+    except ValidationError as exc:
+        section, name = exc.errors()[0]["loc"][:2]
+        key = f"{section}.{name}"
+        errors = [error for error in exc.errors() if error["loc"][:2] == (section, name)]
+        raise ConfigError(f"{source}: {key}: {_problem(key, document[section].get(name), errors)}") from None
+    if sources is not None:
+        for section, values in document.items():
+            for name, value in values.items():
+                key = f"{section}.{name}"
                 sources[key] = f"{source}: {key}"
                 if key == "rendezvous.conf":
                     sources.update({f"{key}.{option}": f"{source}: {key}.{option}" for option in value})
@@ -350,25 +380,19 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
 
 
 RENAMED_KEYS = {"checkpoint.async_save": "checkpoint.staging"}
-"""Earlier names of keys, accepted with a DeprecationWarning until 0.3."""
+"""Earlier names of keys (each in its key's section), accepted with a DeprecationWarning until 0.3."""
 
 
 def set_value(config: JobConfig, path: str, value: Any, *, source: str) -> None:
-    """Set one key, coercing ``value`` to the key's type; errors name ``source``."""
-    if path in RENAMED_KEYS:
-        warnings.warn(f"{source}: '{path}' is deprecated and will be removed in 0.3: it is now "
-                      f"'{RENAMED_KEYS[path]}'", DeprecationWarning, stacklevel=2)
-        path = RENAMED_KEYS[path]
-    hints = _key_hints()
-    if path not in hints:
-        raise ConfigError(f"{source}: unknown key{_did_you_mean(path, hints)}")
+    """Set one key, checked against the key's type; errors name ``source``."""
+    path = _current_name(path, source)
+    if path not in _fields():
+        raise ConfigError(f"{source}: unknown key{_did_you_mean(path, _fields())}")
     section, name = _split_path(path)
-    hint = hints[path]
     try:
-        coerced = _coerce(value, hint)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
-    setattr(getattr(config, section), name, coerced)
+        setattr(getattr(config, section), name, value)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_problem(path, value, exc.errors())}") from None
 
 
 def parse_override(assignment: str) -> tuple[str, Any]:
@@ -478,10 +502,10 @@ def _resolve_timeouts(config: JobConfig, sources: dict[str, str], fail: Any) -> 
     if timeouts is None:
         return
     if "elastic.join_wait" not in sources:
-        config.elastic.join_wait = Seconds(derived_join_wait_s(timeouts.join_timeout, timeouts.last_call_timeout))
+        config.elastic.join_wait = derived_join_wait_s(timeouts.join_timeout, timeouts.last_call_timeout)
     if "elastic.process_group_timeout" not in sources:
-        config.elastic.process_group_timeout = Seconds(
-            derived_process_group_timeout_s(timeouts.detection_s, config.elastic.stop_grace))
+        config.elastic.process_group_timeout = derived_process_group_timeout_s(
+            timeouts.detection_s, config.elastic.stop_grace)
     timeouts = dataclasses.replace(timeouts, join_wait=config.elastic.join_wait,
                                    process_group_timeout=config.elastic.process_group_timeout)
     for rule in timeouts.rule_breaks():
@@ -534,73 +558,57 @@ def rdzv_conf_for_torch(conf: dict[str, Any]) -> dict[str, Any]:
     return {key: int(parse_seconds(value)) if key in _RDZV_DURATION_KEYS else value for key, value in conf.items()}
 
 
-def _coerce(value: Any, hint: Any) -> Any:
-    if hint is Seconds:
-        return parse_seconds(value)
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(" or ".join(errors))
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(map(str, choices))}")
-        return value
-    if origin is list:
-        if isinstance(value, str):
-            value = [item for item in value.split(",") if item]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{value!r} is not a list of strings")
-        return list(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{value!r} is not a mapping of key: value")
-        return {str(k): v for k, v in value.items()}
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{value!r} is not true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{value!r} is not a whole number")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{value!r} is not a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{value!r} is not a string")
-        return value
-    raise AssertionError(f"config type {hint!r} has no coercion")
+def _current_name(path: str, source: str) -> str:
+    """``path``, or the key it was renamed to, with a DeprecationWarning naming ``source``."""
+    if path not in RENAMED_KEYS:
+        return path
+    warnings.warn(f"{source}: '{path}' is deprecated and will be removed in 0.3: it is now "
+                  f"'{RENAMED_KEYS[path]}'", DeprecationWarning, stacklevel=3)
+    return RENAMED_KEYS[path]
 
 
-def _section_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(JobConfig)]
+def _current_names(section: str, values: dict[Any, Any], source: str) -> dict[Any, Any]:
+    """A section of a config file with renamed keys under their current names."""
+    return {_split_path(_current_name(f"{section}.{name}", f"{source}: {section}.{name}"))[1]: value
+            for name, value in values.items()}
+
+
+_TYPE_PROBLEMS = {
+    "int_type": "is not a whole number",
+    "float_type": "is not a number",
+    "bool_type": "is not true or false",
+    "string_type": "is not a string",
+    "dict_type": "is not a mapping of key: value",
+}
+
+
+def _problem(path: str, value: Any, errors: list[ErrorDetails]) -> str:
+    """What is wrong with ``value`` for the key ``path``, from pydantic's errors for that key (one
+    per member of a union), in the config's own words."""
+    if path not in _fields():  # pydantic's extra_forbidden
+        return f"unknown key{_did_you_mean(path, _fields())}"
+    annotation = _fields()[path].annotation
+    problems: list[str] = []
+    for error in errors:
+        if error["type"] == "value_error":  # a check of ours (a duration): its message as it is
+            problem = str(error["ctx"]["error"])
+        elif error["type"] == "literal_error":
+            problem = f"{value!r} is not one of {', '.join(map(str, typing.get_args(annotation)))}"
+        elif typing.get_origin(annotation) is list:
+            problem = f"{value!r} is not a list of strings"
+        else:
+            problem = f"{value!r} {_TYPE_PROBLEMS.get(error['type'], 'is wrong: ' + error['msg'])}"
+        if problem not in problems:
+            problems.append(problem)
+    return " or ".join(problems)
 
 
 @functools.cache
-def _key_hints() -> dict[str, Any]:
-    """Every settable key's type, by ``section.name``, in the config's order: resolved once (a
-    worker loads its job config while it resumes, and resolving the string annotations was most
-    of that)."""
-    sections = typing.get_type_hints(JobConfig)
-    keys: dict[str, Any] = {}
-    for section in dataclasses.fields(JobConfig):
-        hints = typing.get_type_hints(sections[section.name])
-        for f in dataclasses.fields(sections[section.name]):
-            keys[f"{section.name}.{f.name}"] = hints[f.name]
-    return keys
+def _fields() -> dict[str, FieldInfo]:
+    """Every settable key's field, by ``section.name``, in the config's order."""
+    return {f"{section}.{name}": field
+            for section, info in JobConfig.model_fields.items()
+            for name, field in typing.cast(type[BaseModel], info.annotation).model_fields.items()}
 
 
 def _split_path(path: str) -> tuple[str, str]:

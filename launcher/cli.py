@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from agent.config import ConfigError, recovery_timeouts
+from agent.config import ConfigError, json_schema, recovery_timeouts
 from agent.errors import TorchreviveError
 from agent.timeouts import describe as describe_timeouts
 from launcher.status_command import status_command
@@ -31,6 +31,7 @@ commands:
   status   a running job now, from its rendezvous: round, members, waiting and spare nodes, each
            tier's newest snapshot, last recoveries; --config job.yaml or run's --rdzv-* flags,
            --watch SECONDS, --json
+  schema   the JSON Schema of a job config file, for a YAML editor to complete and check it
 
 Replace `torchrun` with `torchrevive run` in any launch command.
 """
@@ -185,6 +186,16 @@ def report_command(argv: Sequence[str]) -> int:
     return 0
 
 
+def schema_command(argv: Sequence[str]) -> int:
+    """`torchrevive schema`."""
+    parser = argparse.ArgumentParser(
+        prog="torchrevive schema",
+        description="Print the JSON Schema of a job config file (YAML editors complete and check the file with it).")
+    parser.parse_args(argv)
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "run": run_command,
     "inspect": inspect_command,
@@ -192,6 +203,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "list": list_command,
     "report": report_command,
     "status": status_command,
+    "schema": schema_command,
 }
 
 

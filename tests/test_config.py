@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
 from agent.config import (
     ConfigError,
@@ -14,7 +17,10 @@ from agent.config import (
     rdzv_conf_for_torch,
     validate,
 )
+from launcher.cli import main as torchrevive_main
 from launcher.torchrun_flags import parse_run_args
+
+CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -67,6 +73,10 @@ def test_a_password_flag_warns_that_ps_shows_it(tmp_path):
         ("job:\n  max_restarts: true\n", r"job.max_restarts: True is not a whole number"),
         ("checkpoint:\n  verify: always\n", r"checkpoint.verify: 'always' is not one of off, sample, full"),
         ("job:\n  monitor_interval: soon\n", r"job.monitor_interval: 'soon' is not a duration"),
+        ("job:\n  nnodes: 1.5\n", r"job.nnodes: 1.5 is not a whole number or 1.5 is not a string$"),
+        ("launch:\n  preload: [torch, 3]\n", r"launch.preload: \['torch', 3\] is not a list of strings$"),
+        ("rendezvous:\n  conf: [1]\n", r"rendezvous.conf: \[1\] is not a mapping of key: value$"),
+        ("restore:\n  prefetch: 'yes'\n", r"restore.prefetch: 'yes' is not true or false$"),
         ("[1, 2]\n", r"top level must be a mapping"),
         ("job: [1]\n", r"section 'job' must be a mapping"),
         ("job: {nnodes: '1:2'\n", r"not valid YAML"),
@@ -118,6 +128,8 @@ def test_missing_config_file_names_the_path(tmp_path):
         (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:port"], r"^--rdzv-endpoint: 'h:port' is not host:port"),
         (["--set", "checkpoint.keep=many"], r"^--set checkpoint.keep=many: 'many' is not a whole number"),
         (["--set", "checkpoint.kep=3"], r"did you mean 'checkpoint.keep'"),
+        (["--set", "elastic.stop_grace=1d"], r"^--set elastic.stop_grace=1d: '1d' is not a duration"),
+        (["--set", "launch.log_dir=5"], r"^--set launch.log_dir=5: 5 is not a string$"),
         (["--set", "checkpoint.keep"], r"write --set section.key=value"),
         (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout"], r"^--rdzv-conf: .*must have a value"),
     ],
@@ -193,3 +205,49 @@ def test_the_earlier_name_of_staging_is_accepted_with_a_deprecation_warning(tmp_
                                                 r"deprecated .* now 'checkpoint.staging'"):
         config = load_config(job, {})
     assert config.checkpoint.staging is False
+
+
+def test_a_list_key_takes_a_comma_separated_string_as_torchrun_flags_give_lists(tmp_path):
+    config = resolve(tmp_path, "launch: {preload: 'torch._dynamo,numpy'}", "--set", "launch.duplicate_stdout_filters=a,b").config
+    assert config.launch.preload == ["torch._dynamo", "numpy"]
+    assert config.launch.duplicate_stdout_filters == ["a", "b"]
+
+
+def test_the_schema_file_is_what_torchrevive_schema_prints(capsys):
+    with pytest.raises(SystemExit) as exited:
+        torchrevive_main(["schema"])
+    assert exited.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((CONFIGS / "torchrevive.schema.json").read_text()), (
+        "configs/torchrevive.schema.json is stale: torchrevive schema > configs/torchrevive.schema.json")
+
+
+def schema_problems(document: object) -> list[str]:
+    schema = json.loads((CONFIGS / "torchrevive.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'.'.join(map(str, error.absolute_path))}: {error.message}" for error in validator.iter_errors(document)]
+
+
+def test_the_schema_accepts_the_example_config_and_every_spelling_the_loader_takes():
+    assert schema_problems(yaml.safe_load((CONFIGS / "local.yaml").read_text())) == []
+    assert schema_problems({"job": {"nnodes": 2, "monitor_interval": "500ms"}, "elastic": {"stop_grace": 2.5},
+                            "launch": {"preload": "torch._dynamo,numpy", "log_dir": None}}) == []
+
+
+@pytest.mark.parametrize(
+    "document, where",
+    [
+        ({"checkpoint": {"kep": 3}}, "checkpoint"),
+        ({"chekpoint": {"keep": 3}}, ""),
+        ({"checkpoint": {"keep": "three"}}, "checkpoint.keep"),
+        ({"checkpoint": {"verify": "always"}}, "checkpoint.verify"),
+        ({"job": {"monitor_interval": "soon"}}, "job.monitor_interval"),
+        ({"job": {"monitor_interval": -1}}, "job.monitor_interval"),
+        ({"launch": {"preload": [3]}}, "launch.preload"),
+    ],
+)
+def test_the_schema_rejects_what_the_loader_rejects(tmp_path, document, where):
+    problems = schema_problems(document)
+    assert problems and all(p.startswith(f"{where}:") for p in problems), problems
+    with pytest.raises(ConfigError):
+        load_config(write(tmp_path, yaml.safe_dump(document)))
