@@ -172,6 +172,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
         _leave_process_group(backend)
         connections.shut(socket.SHUT_RDWR)
+        connections.quiet()  # the groups left live on: their event loops must not spin on these
         os.environ.update(_wait_for_handover(directory, context.local_rank, context.round))
         if ended is not None:  # a peer still sending on them (frozen meanwhile, say) has been told by now
             ended.release()

@@ -17,6 +17,10 @@ of each connection meanwhile, so that gloo closing its own does not reset the co
 peer that is still sending. Then, ``WRITE_CUT_AFTER_S`` later, the writing side goes, which tells
 the peers in order, and the held descriptors are closed once this process has left the next
 round too (a peer frozen meanwhile finds the connection ended in order when it resumes).
+
+A cut connection stays readable and hung up while its descriptors live, and the process groups
+that own them live on in the worker: :meth:`RoundConnections.quiet` lets each wake this process's
+event loops only once more (gloo's would otherwise spin on one; see :mod:`agent.epoll_registrations`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+
+from agent.epoll_registrations import fire_once_more, registrations
 
 WRITE_CUT_AFTER_S = 0.2
 """How long after the reading side of a round's connections their writing side is cut."""
@@ -65,6 +71,14 @@ class RoundConnections:
                 except OSError:  # not connected (any more)
                     pass
         return cut
+
+    def quiet(self) -> int:
+        """Let each connection cut so far wake the event loops of this process once more, then no
+        more; how many registrations were re-armed so."""
+        with self._lock:
+            inodes = {int(link.removeprefix("socket:[").removesuffix("]")) for link in self._held}
+        return sum(1 for registration in registrations()
+                   if registration.inode in inodes and fire_once_more(registration))
 
     def release(self) -> None:
         """Close the descriptors held (the connections end when their owners closed theirs)."""

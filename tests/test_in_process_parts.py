@@ -4,6 +4,7 @@ connections, and healing replicated state from the rank holding the newest step 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from datetime import timedelta
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 import agent
 from agent import regroup
 from agent.elastic_sampler import ElasticSampler
+from agent.epoll_registrations import Registration, fire_once_more, registrations
 from agent.errors import RestoreError
 from agent.heal import heal
 from agent.resilient import _leave_process_group
@@ -97,6 +99,50 @@ def test_a_round_is_cut_for_reading_first_and_held_open_so_that_sends_under_way_
         connections.release()
     finally:
         for s in (listener, mine, peer):
+            s.close()
+
+
+def test_a_cut_connection_wakes_an_event_loop_that_leaves_it_unread_once_more_then_no_more():
+    """gloo's event loop busy-waits on a connection whose bytes are for a buffer not registered yet:
+    its handler reads nothing. A cut connection (readable, hung up) would wake such a loop at every
+    tick for as long as the process group that owns it lives. Quieted, it wakes the loop once more,
+    with the loop's own data, then never; the registration stays for its owner to remove."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    connections = RoundConnections(open_sockets() - {os.readlink(f"/proc/self/fd/{mine.fileno()}")})
+    loop = select.epoll()
+    try:
+        loop.register(mine.fileno(), select.EPOLLIN)
+        [watched] = [r for r in registrations() if r.epoll_fd == loop.fileno()]
+        assert (watched.fd, watched.inode) == (mine.fileno(), os.fstat(mine.fileno()).st_ino)
+        peer.sendall(b"bytes for a buffer this side never registers")
+        assert connections.shut(socket.SHUT_RDWR) == 1
+        assert all(loop.poll(0.05) for _ in range(5))  # a handler that reads nothing: woken at every tick
+        assert connections.quiet() == 1
+        [(fd, events)] = loop.poll(0.05)
+        assert fd == mine.fileno() and events & select.EPOLLHUP  # once more, as the loop registered it
+        assert loop.poll(0.05) == [] and loop.poll(0.05) == []  # then no more
+        loop.unregister(mine.fileno())  # its owner removes it as usual
+        connections.release()
+    finally:
+        for s in (loop, listener, mine, peer):
+            s.close()
+
+
+def test_a_registration_whose_descriptor_now_names_another_file_is_left_alone():
+    loop = select.epoll()
+    first, second = socket.socketpair()
+    try:
+        loop.register(first.fileno(), select.EPOLLIN)
+        [watched] = [r for r in registrations() if r.epoll_fd == loop.fileno()]
+        other_file = Registration(watched.epoll_fd, watched.fd, watched.events, watched.data,
+                                  os.fstat(second.fileno()).st_ino)
+        assert not fire_once_more(other_file)
+        second.sendall(b"x")
+        assert loop.poll(0.05) and loop.poll(0.05)  # still armed as its owner left it
+    finally:
+        for s in (loop, first, second):
             s.close()
 
 
