@@ -365,9 +365,10 @@ def load_config(path: str | Path | None, sources: dict[str, str] | None = None) 
     try:
         config = JobConfig.model_validate(document)
     except ValidationError as exc:
-        section, name = exc.errors()[0]["loc"][:2]
+        errors = exc.errors()
+        section, name = errors[0]["loc"][:2]
         key = f"{section}.{name}"
-        errors = [error for error in exc.errors() if error["loc"][:2] == (section, name)]
+        errors = [error for error in errors if error["loc"][:2] == (section, name)]
         raise ConfigError(f"{source}: {key}: {_problem(key, document[section].get(name), errors)}") from None
     if sources is not None:
         for section, values in document.items():

@@ -23,6 +23,8 @@ import platform
 import re
 from dataclasses import dataclass
 
+from agent.open_descriptors import open_descriptors
+
 EPOLL_CTL_MOD = 3
 EPOLLONESHOT = 1 << 30
 
@@ -50,7 +52,7 @@ class Registration:
 def registrations() -> list[Registration]:
     """Every registration of every epoll instance this process holds (empty without procfs)."""
     found = []
-    for epoll_fd in _epoll_fds():
+    for epoll_fd in (fd for fd, link in open_descriptors() if link == "anon_inode:[eventpoll]"):
         try:
             with open(f"/proc/self/fdinfo/{epoll_fd}") as info:
                 text = info.read()
@@ -71,21 +73,6 @@ def fire_once_more(registration: Registration) -> bool:
     if _libc().epoll_ctl(registration.epoll_fd, EPOLL_CTL_MOD, registration.fd, ctypes.byref(event)) != 0:
         return False  # removed by its owner meanwhile (ENOENT)
     return True
-
-
-def _epoll_fds() -> list[int]:
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return []
-    fds = []
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventpoll]":
-                fds.append(int(name))
-        except OSError:
-            continue
-    return fds
 
 
 def _inode(fd: int) -> int | None:

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator
 
 from agent.epoll_registrations import fire_once_more, registrations
+from agent.open_descriptors import open_descriptors
 
 WRITE_CUT_AFTER_S = 0.2
 """How long after the reading side of a round's connections their writing side is cut."""
@@ -101,22 +102,6 @@ class RoundConnections:
 
 
 def _sockets() -> Iterator[tuple[int, str]]:
-    """(file descriptor, ``socket:[inode]``) of each socket this process holds."""
-    for fd in _fds():
-        link = _link(fd)
-        if link is not None and link.startswith("socket:"):
-            yield fd, link
-
-
-def _fds() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no procfs: nothing to cut, the process group's timeout bounds the wait
-        return []
-
-
-def _link(fd: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
+    """(file descriptor, ``socket:[inode]``) of each socket this process holds (none without procfs:
+    nothing to cut, the process group's timeout bounds the wait)."""
+    return ((fd, link) for fd, link in open_descriptors() if link.startswith("socket:"))
