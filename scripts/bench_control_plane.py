@@ -56,6 +56,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.etcd_server import EtcdServer  # noqa: E402
+from harness.machine import describe  # noqa: E402
 
 BACKENDS = ("c10d", "etcd3", "etcd3-blob")
 RUN_ID = "bench"
@@ -450,11 +451,6 @@ def _seconds(s: float) -> Any:
     return timedelta(seconds=s)
 
 
-def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-            "load_avg_1m_5m_15m": list(os.getloadavg())}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="8,32,128,256", help="comma-separated participant counts")
@@ -476,7 +472,7 @@ def main() -> None:
     if any(n < 2 for n in sizes):
         parser.error("--nodes: every count must be at least 2 (one participant is killed)")
     report: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "machine_before": machine(), "steady_s": args.steady_s, "results": {}}
+                              "machine_before": describe(), "steady_s": args.steady_s, "results": {}}
 
     def save() -> None:
         if args.json:
@@ -495,7 +491,7 @@ def main() -> None:
                 report["results"].setdefault(backend, {})[str(nodes)] = result
                 print(_row(backend, nodes, result), flush=True)
                 save()  # after every case: a run cut short keeps what it measured
-    report["machine_after"] = machine()
+    report["machine_after"] = describe()
     save()
 
 

@@ -63,11 +63,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import math
-import os
-import platform
 import shutil
 import signal
 import statistics
@@ -81,6 +78,7 @@ from typing import Any
 
 from agent.events import read_events
 from harness.goodput_plot import write_beside
+from harness.machine import describe
 from harness.nodes import ClassicCluster, Cluster, Nodes
 from harness.nvrx_cluster import NvrxCluster
 from harness.peers_env import peers_python
@@ -396,7 +394,7 @@ def report(args: argparse.Namespace, schedule: list[Fault], results: dict[str, d
             "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "state_bytes": workload.state_bytes,
             "interval_steps": args.interval_steps, "kill_every_s": args.kill_every_s, "rejoin_after_s": args.rejoin_after_s,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": importlib.metadata.version("torch")},
+            "machine": describe(),
             "work_dir": str(work) if work else None}
 
 

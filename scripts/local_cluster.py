@@ -55,8 +55,8 @@ survivors kept their processes, else "restart"), "fallback_reason", "step_s" (th
 the fault), "resume_s" (recovery_s less one steady step)}, "baseline": {"approach", "recovery_s" (from the
 fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
 "capped", "cap_s", "peer_config"}}; with several scenarios, "runs" holds
-one such torchrevive result per scenario. With --netns, "addresses" (one per node). A network
-fault's run holds its checks, and "ok" when all hold.
+one such torchrevive result per scenario; "machine". With --netns, "addresses" (one per node). A
+network fault's run holds its checks, and "ok" when all hold.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from agent.report_plot import draw_timeline
 from harness.baselines import BASELINES, run_baseline
 from harness.chaos import run_chaos
 from harness.etcd_server import EtcdCluster, EtcdServer
+from harness.machine import describe
 from harness.netns import BRIDGE_ADDRESS, Network, NetnsError
 from harness.ports import free_port
 from harness.scenarios import run_scenarios
@@ -203,7 +204,8 @@ def main() -> None:
     report: dict[str, Any] = {"scenario": args.scenario, "backend": args.backend, "nodes": args.nodes,
                               "nproc_per_node": args.nproc_per_node, "workload": workload.name,
                               "params": workload.params, "state_bytes": workload.state_bytes,
-                              "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None}
+                              "torchrevive": runs[0], "runs": runs, "work_dir": str(work) if args.keep else None,
+                              "machine": describe()}
     if args.netns:
         report["addresses"] = args.addresses
     if args.baseline:

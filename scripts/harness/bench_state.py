@@ -3,12 +3,10 @@ of a chosen size; its bytes, DCP's view of it, and the machine it is measured on
 
 from __future__ import annotations
 
-import os
-import sys
-
-import psutil
 import torch
 from torch import nn
+
+from harness.machine import describe
 
 WIDTH = 4096
 
@@ -39,5 +37,4 @@ def machine() -> dict:
     """The machine, and the reader threads torchrevive and raw_read both use on it."""
     from agent.restore.reader import default_io_threads
 
-    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
-            "platform": sys.platform, "io_threads": default_io_threads()}
+    return {**describe(), "io_threads": default_io_threads()}
