@@ -13,12 +13,25 @@ from conftest import REPO, free_port, worker_env
 
 sys.path.insert(0, str(REPO / "scripts"))
 from harness.scenarios import run_scenarios
-from harness.workloads import GPT_SIZES, workload_of
+from harness.workloads import GPT_SIZES, compile_cold_s, workload_of
 
 from agent.events import read_events
 
 TINY = GPT_SIZES["tiny"]
 RTOL = 1e-5
+
+
+def test_the_cold_compile_is_what_rank_0_compiled_by_its_first_step():
+    """A node late to the first round joins in-process before any step is done: rank 0's first
+    step then marks only its own round's compile (none), and the cold compile is the process's."""
+    marks = [{"event": "first_step_done", "time": 10.0, "step": 1, "compile_s": 0.0}]
+    events = [{"event": "first_step_done", "time": 20.0, "rank": 0, "compile_s": 9.9},  # after a restart
+              {"event": "first_step_done", "time": 10.0, "rank": 1, "compile_s": 4.9},
+              {"event": "first_step_done", "time": 10.0, "rank": 0, "compile_s": 4.6}]
+    assert compile_cold_s(marks, events) == 4.6
+    assert compile_cold_s(marks, []) == 0.0  # no event of rank 0's: the mark
+    mlp = [{"event": "first_step_done", "time": 10.0, "step": 1}]  # compiles nothing
+    assert compile_cold_s(mlp, events) is None and compile_cold_s([], events) is None
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["restart", "in-process"])

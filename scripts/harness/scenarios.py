@@ -84,8 +84,8 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             timeline["step_s"] = steady_step_s(marks, fault_at)
             timeline["resume_s"] = timeline["recovery_s"] - (timeline["step_s"] or 0.0)
             split_compile(timeline, marks, fault_at)
-            timeline["compile_cold_s"] = compile_cold_s(marks)
             events = read_events(cluster.events)
+            timeline["compile_cold_s"] = compile_cold_s(marks, events)
             timeline["compile_warm_from"] = compile_warm_from(events, fault_at)
             if scenario == "join":
                 timeline["compile_joined_s"] = joined_compile_s(events, fault_at)

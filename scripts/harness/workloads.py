@@ -75,10 +75,17 @@ def workload_of(args: argparse.Namespace) -> Workload:
                     batch={"global_batch_size": GPT_GLOBAL_BATCH, "micro_batch_size": GPT_MICRO_BATCH})
 
 
-def compile_cold_s(marks: list[dict]) -> float | None:
-    """The compile time of the job's first start (rank 0's first step, dynamo's own timers)."""
+def compile_cold_s(marks: list[dict], events: list[dict]) -> float | None:
+    """The compile time of the job's first start: what rank 0's process had compiled by its first
+    completed step (dynamo's own timers, as its checkpointer recorded them), or else what rank 0's
+    first step marked. A process can compile in an in-process round that ends before its first
+    step (a node late to the first round joins then), and its step's mark counts its own round
+    only. None when the job compiles nothing."""
     first = next((m for m in marks if m["event"] == "first_step_done"), None)
-    return None if first is None else first.get("compile_s")
+    if first is None or first.get("compile_s") is None:
+        return None
+    done = [e for e in events if e["event"] == "first_step_done" and e.get("rank") == 0 and "compile_s" in e]
+    return min(done, key=lambda e: e["time"])["compile_s"] if done else first["compile_s"]
 
 
 WARMTH = ("none", "snapshot", "peer", "local")
