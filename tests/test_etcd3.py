@@ -114,6 +114,27 @@ def test_a_live_agents_lease_outlasts_its_ttl(etcd, caplog):
     assert "refreshing the etcd lease failed" not in caplog.text
 
 
+def lease_refreshers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torchrevive-etcd3-lease"]
+
+
+def test_a_lease_unreachable_for_its_ttl_is_given_up_and_a_new_one_granted_when_etcd_is_back(etcd):
+    backend = backend_on(etcd.endpoint, ttl=2, read_timeout=1)
+    before = set(lease_refreshers())
+    backend.set_state(b"state")
+    (refresher,) = set(lease_refreshers()) - before
+    etcd.stop()
+    # The lease has certainly expired once no keep-alive got through for a TTL: its refresher ends
+    # instead of calling an unreachable etcd forever.
+    refresher.join(timeout=15)
+    assert not refresher.is_alive()
+    etcd.start()
+    state, token = backend.get_state()
+    assert backend.set_state(b"again", token)[2]  # written on a newly granted lease...
+    time.sleep(5)  # ...which is kept alive: 2.5 TTLs later the key is still there
+    assert backend.get_state()[0] == b"again"
+
+
 def test_store(etcd):
     connection = connect(etcd.endpoint)
     store = Etcd3Store(connection, "/test/store", Etcd3Lease(connection, 30))

@@ -104,19 +104,27 @@ class Etcd3Lease:
             return self._lease
 
     def _refresh(self) -> None:
+        """Keep the lease alive until :meth:`close`, or until it has certainly expired (etcd said so, or
+        no keep-alive got through for a whole TTL): then forget it and end; the next :meth:`get`
+        grants a new lease and starts a new refresher."""
+        kept_alive_at = time.monotonic()
         while not self._closed.wait(self._ttl / 3):
             with self._lock:
                 lease = self._lease
-            if lease is None:
-                continue
             try:
                 # etcd3's refresh_lease is a generator: the keep-alive is sent as it is consumed.
                 remaining = self._connection.call(lambda c: list(c.refresh_lease(lease.id)))
-                if not remaining or remaining[0].TTL <= 0:  # expired (etcd was unreachable too long): a new one
-                    with self._lock:
-                        self._lease = None
-            except RendezvousError:  # a background thread: log, and try again next period
-                logger.warning("refreshing the etcd lease failed; retrying", exc_info=True)
+                expired = not remaining or remaining[0].TTL <= 0
+                kept_alive_at = time.monotonic()
+            except RendezvousError:  # a background thread: log, and try again next period unless expired
+                expired = time.monotonic() - kept_alive_at > self._ttl
+                logger.warning("refreshing the etcd lease failed; %s", "it has expired: the next write takes a new "
+                               "one" if expired else "retrying", exc_info=True)
+            if expired:
+                with self._lock:
+                    self._lease = None
+                    self._refresher = None
+                return
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):
