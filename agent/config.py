@@ -23,6 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
+from agent.checkpoint.writer_priority import check_writer_priority
 from agent.timeouts import (
     DEFAULT_JOIN_WAIT_S,
     DEFAULT_PROCESS_GROUP_TIMEOUT_S,
@@ -216,9 +217,9 @@ class CheckpointSection(_Section):
     staging: bool = True
     on_busy: Literal["wait", "skip"] = "wait"
     verify: Literal["off", "sample", "full"] = "sample"
-    writer_nice: int = 10
-    """The niceness (0-19) of the threads that write snapshots in the background: 10 lets training
-    have the CPU first; 0 writes at training's priority."""
+    writer_nice: int | Literal["idle"] = 10
+    """How low the threads that write snapshots in the background run: a niceness from 0
+    (training's priority) to 19, or idle (Linux's SCHED_IDLE: only on CPU time training leaves)."""
     write_threads: int = 2
     """Snapshot writes in flight at once per rank (torchsnapshot's default: 16)."""
     memory_interval_steps: int = 0
@@ -432,8 +433,8 @@ def validate(config: JobConfig, sources: dict[str, str]) -> None:
                  "elastic.world_size_multiple_of", "restore.pinned_mb"):
         if config.get(path) < 1:
             fail(path, f"{config.get(path)} must be >= 1")
-    if not 0 <= config.checkpoint.writer_nice <= 19:
-        fail("checkpoint.writer_nice", f"{config.checkpoint.writer_nice} is not a niceness from 0 to 19 (0: training's priority)")
+    if wrong := check_writer_priority(config.checkpoint.writer_nice):
+        fail("checkpoint.writer_nice", wrong)
     if config.checkpoint.memory_interval_steps < 0:
         fail("checkpoint.memory_interval_steps", f"{config.checkpoint.memory_interval_steps} must be >= 0 (0: off)")
     if config.checkpoint.memory_interval_steps and not config.checkpoint.dir:
@@ -594,7 +595,7 @@ def _problem(path: str, value: Any, errors: list[ErrorDetails]) -> str:
         if error["type"] == "value_error":  # a check of ours (a duration): its message as it is
             problem = str(error["ctx"]["error"])
         elif error["type"] == "literal_error":
-            problem = f"{value!r} is not one of {', '.join(map(str, typing.get_args(annotation)))}"
+            problem = f"{value!r} is not one of {', '.join(map(str, _literal_values(annotation)))}"
         elif typing.get_origin(annotation) is list:
             problem = f"{value!r} is not a list of strings"
         else:
@@ -602,6 +603,14 @@ def _problem(path: str, value: Any, errors: list[ErrorDetails]) -> str:
         if problem not in problems:
             problems.append(problem)
     return " or ".join(problems)
+
+
+def _literal_values(annotation: Any) -> tuple[Any, ...]:
+    """The values a ``Literal`` allows, or the ``Literal`` members of a union allow."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    return tuple(value for member in typing.get_args(annotation) if typing.get_origin(member) is Literal
+                 for value in typing.get_args(member))
 
 
 @functools.cache

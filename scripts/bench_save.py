@@ -7,8 +7,10 @@ need one), the methods interleaved in a rotating order, median over the rounds.
 
 Writes {"size_bytes", "results": {M: {"blocking_s", "done_s", "durable_s", "first_blocking_s",
 "slowdown", ...}}, ...}
-for M in torchrevive (its defaults: writer niceness 10, 2 writes in flight), torchrevive_unthrottled
-(niceness 0, 16 writes in flight: the earlier defaults), torchsnapshot_take,
+for M in torchrevive (its defaults: writer threads at niceness 10, 2 writes in flight, tensors under
+4 MB batched), torchrevive_idle (the writer threads under SCHED_IDLE instead),
+torchrevive_slabs128 (torchsnapshot's own batching, of tensors under 128 MB: the earlier default),
+torchsnapshot_take,
 torchsnapshot_async_take, dcp_save, dcp_async_save.
 ``blocking_s``: the training thread is blocked by one save in steady state (a save after the
 first one in the same process, as training sees it every interval) until it may change the state
@@ -17,10 +19,11 @@ again; ``first_blocking_s``: the same for the first save (staging buffers are al
 done and on disk, like for like: torchrevive's and DCP's "done" come after an fsync of every file,
 torchsnapshot's does not (``fsyncs``), so its files and directories are fsync'ed here once it is
 done, and that time is added. ``slowdown``: a training step of the same model (forward, backward and Adam
-on a batch of 16) while a background save is being written, over the same step with no save in
-flight (median of each; None for the methods that write before they return, and when the write
-ended before one step did). A method whose process fails is left out of the later rounds and
-reported under "failed" with the end of its error output; the others go on.
+on a batch of 16) while background saves are written back to back, over the same step with no save
+in flight: the median step of each kind over two quiet and two saving windows of
+``--slowdown-window-s`` each, alternating (None for the methods that write before they return).
+A method whose process fails is left out of the later rounds and reported under "failed" with the
+end of its error output; the others go on.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ import torch
 import torch.distributed as dist
 from harness.bench_state import WIDTH, build_state, dcp_state, machine, state_bytes
 
-METHODS = ["torchrevive", "torchrevive_unthrottled", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save",
-           "dcp_async_save"]
-FSYNCS = {"torchrevive": True, "torchrevive_unthrottled": True, "torchsnapshot_take": False,
+METHODS = ["torchrevive", "torchrevive_idle", "torchrevive_slabs128", "torchsnapshot_take", "torchsnapshot_async_take",
+           "dcp_save", "dcp_async_save"]
+FSYNCS = {"torchrevive": True, "torchrevive_idle": True, "torchrevive_slabs128": True, "torchsnapshot_take": False,
           "torchsnapshot_async_take": False, "dcp_save": True, "dcp_async_save": True}
 """Whether the method's "done" means on disk: DCP's FileSystemWriter fsyncs each file (its
 ``sync_files``, on by default); torchsnapshot's file-system plugin does not."""
@@ -54,6 +57,8 @@ Save = Callable[[int], tuple[Callable[[], None], Callable[[], bool]]]
 that waits until the save is done and one that says whether it is."""
 BATCH = 16
 """Rows of a timed training step's batch."""
+SLOWDOWN_WINDOWS = 2
+"""Quiet and saving windows, each, in which the steps' slowdown is measured."""
 
 
 def written(_: object) -> tuple[Callable[[], None], Callable[[], bool]]:
@@ -67,13 +72,14 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
     import torchsnapshot
 
     from agent.checkpoint import Checkpointer
+    from agent.checkpoint.write import SLAB_THRESHOLD_ENV
 
     app = {"model": model, "optim": optim}
-    if method in ("torchrevive", "torchrevive_unthrottled"):
-        # Old snapshots are removed outside the timing, as for the others. Unthrottled: the writer
-        # at training's priority with torchsnapshot's 16 writes in flight (the earlier defaults).
-        throttle = {"writer_nice": 0, "write_threads": 16} if method == "torchrevive_unthrottled" else {}
-        ckpt = Checkpointer(root, keep=1_000, **throttle)
+    if method in ("torchrevive", "torchrevive_idle", "torchrevive_slabs128"):
+        # Old snapshots are removed outside the timing, as for the others.
+        if method == "torchrevive_slabs128":  # the environment's threshold wins over ours
+            os.environ[SLAB_THRESHOLD_ENV] = str(128 << 20)
+        ckpt = Checkpointer(root, keep=1_000, **({"writer_nice": "idle"} if method == "torchrevive_idle" else {}))
 
         def save(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
             ckpt.save(i, app)
@@ -104,9 +110,9 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
-def measure(method: str, root: Path, size_bytes: int, saves: int, device: str) -> dict:
+def measure(method: str, root: Path, size_bytes: int, saves: int, device: str, window_s: float) -> dict:
     """In this (child) process: one first save, then ``saves`` more, each timed; then the steps'
-    slowdown during one more."""
+    slowdown while more are written (:func:`slowdown`)."""
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
     model, optim = build_state(size_bytes, seed=1)
     if device != "cpu":  # the state lives on the accelerator: saving includes the device-to-host copy
@@ -128,11 +134,14 @@ def measure(method: str, root: Path, size_bytes: int, saves: int, device: str) -
         durable.append(time.perf_counter() - started)
     return {"state_bytes": state_bytes(model, optim), "first_blocking_s": blocking[0], "first_durable_s": durable[0],
             "blocking_s": statistics.median(blocking[1:]), "done_s": statistics.median(done[1:]),
-            "durable_s": statistics.median(durable[1:]), **slowdown(model, optim, save, saves + 2, device)}
+            "durable_s": statistics.median(durable[1:]),
+            **slowdown(model, optim, save, saves + 2, root, device, window_s)}
 
 
-def slowdown(model: Any, optim: Any, save: Save, i: int, device: str) -> dict:
-    """Training steps with no save in flight, then while save ``i`` is being written."""
+def slowdown(model: Any, optim: Any, save: Save, first: int, root: Path, device: str, window_s: float) -> dict:
+    """Training steps with no save in flight, and while background saves ``first``, ``first`` + 1,
+    ... are written back to back, in :data:`SLOWDOWN_WINDOWS` alternating windows of ``window_s``
+    each (quiet first); the median step of each kind. A save is removed once the next one is done."""
     batch = torch.randn(BATCH, WIDTH, device=device)
 
     def step() -> float:
@@ -143,14 +152,31 @@ def slowdown(model: Any, optim: Any, save: Save, i: int, device: str) -> dict:
         return time.perf_counter() - started
 
     step()  # gradients allocated
-    quiet = [step() for _ in range(3)]
-    wait, finished = save(i)
-    during = []
-    while not finished():
-        during.append(step())
-    wait()
-    ratio = statistics.median(during) / statistics.median(quiet) if during else None
-    return {"quiet_step_s": statistics.median(quiet), "steps_during_write": len(during), "slowdown": ratio}
+    quiet: list[float] = []
+    during: list[float] = []
+    index = first
+    for _ in range(SLOWDOWN_WINDOWS):
+        end = time.perf_counter() + window_s
+        while time.perf_counter() < end:
+            quiet.append(step())
+        end = time.perf_counter() + window_s
+        wait, finished = save(index)
+        if finished():  # the method wrote before it returned: nothing in flight to slow the steps
+            wait()
+            return {"quiet_step_s": statistics.median(quiet), "quiet_steps": len(quiet), "steps_during_writes": 0,
+                    "slowdown": None}
+        while time.perf_counter() < end:
+            if finished():
+                wait()
+                shutil.rmtree(root / f"step_{index - 1}", ignore_errors=True)
+                index += 1
+                wait, finished = save(index)
+            during.append(step())
+        wait()
+        shutil.rmtree(root / f"step_{index - 1}", ignore_errors=True)
+        index += 1
+    return {"quiet_step_s": statistics.median(quiet), "quiet_steps": len(quiet), "steps_during_writes": len(during),
+            "slowdown": statistics.median(during) / statistics.median(quiet)}
 
 
 def fsync_tree(path: Path) -> None:
@@ -178,7 +204,8 @@ def run_child(args: argparse.Namespace, method: str, root: Path) -> dict:
     root.mkdir(parents=True)
     try:
         out = subprocess.run([sys.executable, __file__, "--size-gb", str(args.size_gb), "--saves", str(args.saves),
-                              "--device", args.device, "--child", method, str(root)],
+                              "--device", args.device, "--slowdown-window-s", str(args.slowdown_window_s),
+                              "--child", method, str(root)],
                              capture_output=True, text=True, check=True)
     except subprocess.CalledProcessError as exc:
         raise MethodFailed(exc.stderr[-4000:]) from None
@@ -204,12 +231,15 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the local disk)")
     parser.add_argument("--device", default="cpu", help="where the state lives (cuda: pinned staging)")
+    parser.add_argument("--slowdown-window-s", type=float, default=20.0,
+                        help="length of each quiet and each saving window of the slowdown measurement")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     size_bytes = int(args.size_gb * 1e9)
     if args.child:
-        print(json.dumps(measure(args.child[0], Path(args.child[1]), size_bytes, args.saves, args.device)))
+        print(json.dumps(measure(args.child[0], Path(args.child[1]), size_bytes, args.saves, args.device,
+                                 args.slowdown_window_s)))
         return
     methods = args.methods.split(",")
     unknown = set(methods) - set(METHODS)
@@ -240,6 +270,7 @@ def main() -> None:
     results = {m: summarize(r, FSYNCS[m]) for m, r in measured.items()}
     report: dict[str, Any] = {"size_bytes": size, "machine": machine(), "device": args.device,
                               "repeats": args.repeats, "saves": args.saves,
+                              "slowdown_windows": SLOWDOWN_WINDOWS, "slowdown_window_s": args.slowdown_window_s,
                               "date": time.strftime("%Y-%m-%d"), "results": results, "failed": failed}
     if "torchrevive" in results:
         ours = results["torchrevive"]

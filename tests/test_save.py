@@ -337,21 +337,23 @@ def test_snapshot_files_are_written_by_threads_that_yield_the_cpu_to_training(tm
 
     from agent.checkpoint import write
 
-    niceness: dict[int, int] = {}
+    priorities: dict[int, tuple[int, int]] = {}
     real_write = write.DurableFSPlugin._write_durably
 
-    def noting_niceness(plugin, relative, buf):
+    def noting_priority(plugin, relative, buf):
         real_write(plugin, relative, buf)
         thread = threading.get_native_id()
-        niceness[thread] = os.getpriority(os.PRIO_PROCESS, thread)
+        priorities[thread] = (os.sched_getscheduler(thread), os.getpriority(os.PRIO_PROCESS, thread))
 
-    monkeypatch.setattr(write.DurableFSPlugin, "_write_durably", noting_niceness)
-    for nice in (10, 0):
-        niceness.clear()
-        checkpointer = Checkpointer(tmp_path / f"nice{nice}", staging=staging, writer_nice=nice, round=None)
+    monkeypatch.setattr(write.DurableFSPlugin, "_write_durably", noting_priority)
+    expected = {"idle": (os.SCHED_IDLE, 0), 10: (os.SCHED_OTHER, 10), 0: (os.SCHED_OTHER, 0)}
+    for priority, policy_and_nice in expected.items():
+        priorities.clear()
+        checkpointer = Checkpointer(tmp_path / f"priority{priority}", staging=staging, writer_nice=priority, round=None)
         checkpointer.save(1, {"model": nn.Linear(300, 300)})
         checkpointer.wait()
-        assert niceness and set(niceness.values()) == {nice}, niceness
+        assert priorities and set(priorities.values()) == {policy_and_nice}, (priority, priorities)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # training's thread is untouched
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # training's thread is untouched
 
 

@@ -33,7 +33,8 @@ from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir
 from agent.checkpoint.fallback import restore_first_good
 from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
-from agent.checkpoint.write import limit_write_threads, lower_thread_priority, write_snapshot
+from agent.checkpoint.write import limit_write_threads, write_snapshot
+from agent.checkpoint.writer_priority import WriterPriority, check_writer_priority, lower_thread_priority
 from agent.commit_notice import write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
@@ -78,9 +79,9 @@ class Checkpointer:
         memory: the memory tier's saver (see :mod:`agent.memory`); None: storage only.
         commit_notice: where to tell the node's agent of each committed snapshot
             (:mod:`agent.commit_notice`); None: nobody is told.
-        writer_nice: the niceness (0-19) of the threads that write the snapshot in the
-            background and of the memory tier's writer: 10 lets training's threads have the CPU
-            first; 0 writes at training's priority.
+        writer_nice: how low the threads that write the snapshot in the background, and the
+            memory tier's writer, run: a niceness from 0 (training's priority) to 19, or ``"idle"``
+            (Linux's SCHED_IDLE: only on CPU time training leaves).
         write_threads: snapshot writes in flight at once per rank (torchsnapshot's I/O concurrency,
             16 by its default), for every snapshot this process writes; the environment's
             ``TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE`` wins when set.
@@ -101,7 +102,7 @@ class Checkpointer:
         round: int | None = None,
         memory: MemorySaver | None = None,
         commit_notice: str | None = None,
-        writer_nice: int = 10,
+        writer_nice: WriterPriority = 10,
         write_threads: int = 2,
         async_save: bool | None = None,
     ) -> None:
@@ -111,9 +112,10 @@ class Checkpointer:
             staging = async_save
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
-        if not 0 <= writer_nice <= 19 or write_threads < 1:
-            raise ValueError(f"writer_nice ({writer_nice}) must be a niceness from 0 to 19, write_threads "
-                             f"({write_threads}) >= 1")
+        if wrong := check_writer_priority(writer_nice):
+            raise ValueError(f"writer_nice: {wrong}")
+        if write_threads < 1:
+            raise ValueError(f"write_threads ({write_threads}) must be >= 1")
         if on_busy not in ("wait", "skip") or verify not in ("off", "sample", "full"):
             raise ValueError(f"on_busy must be 'wait' or 'skip' (got {on_busy!r}); verify 'off', 'sample' or "
                              f"'full' (got {verify!r})")
@@ -302,7 +304,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(save.written, ignore_errors=True)  # a leftover of a failed save of this round
         barrier(group)
-        record = write_snapshot(save.written, state, replicated=replicated, group=group, nice=self.writer_nice)
+        record = write_snapshot(save.written, state, replicated=replicated, group=group, priority=self.writer_nice)
 
         def committed(nbytes: int) -> None:
             self.events.record("save_committed", step=step, snapshot=str(save.final),
@@ -318,7 +320,7 @@ class Checkpointer:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
 
 
-def _memory_saver(ctx: WorkerContext, interval_steps: int, writer_nice: int) -> MemorySaver | None:
+def _memory_saver(ctx: WorkerContext, interval_steps: int, writer_nice: WriterPriority) -> MemorySaver | None:
     """The memory tier's saver, when the job turns it on and the agent gave this rank a memory dir."""
     if not interval_steps or not ctx.memory_dir or ctx.round is None:
         return None

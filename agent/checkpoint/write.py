@@ -10,12 +10,12 @@ A failed write (a full disk, say) is recorded, not raised: the rank goes on thro
 torchsnapshot's collectives with the others, and the commit, where every rank's outcome is
 gathered, fails the save on every rank at once instead of leaving the others in a barrier.
 
-The threads that write (and hash) run at a lower CPU priority (``nice``, a thread's own on
-Linux), and there are few of them (:func:`limit_write_threads`; torchsnapshot's default is 16 per
-rank), so that a background save takes the CPU time training leaves, not training's: on a machine
-whose cores training uses, it is the save that waits. Niceness alone is not enough: the kernel
-shares the CPU by the sum of the threads' weights, and 16 writers at niceness 10 still weigh
-almost as much as two training threads.
+The threads that write (and hash) run at a lower CPU priority (a niceness, 10 by default, or
+Linux's ``SCHED_IDLE`` policy; a thread's own on Linux), and there are few of them
+(:func:`limit_write_threads`; torchsnapshot's default is 16 per rank), so that a background save
+takes the CPU time training leaves, not training's: on a machine whose cores training uses, it is
+the save that waits. Niceness alone is not enough: the kernel shares the CPU by the sum of the
+threads' weights, and 16 writers at niceness 10 still weigh almost as much as two training threads.
 """
 
 from __future__ import annotations
@@ -34,32 +34,29 @@ from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from agent.checkpoint.checksums import FileDigest, digest_buffer
 from agent.checkpoint.durable import fsync_dir
+from agent.checkpoint.writer_priority import WriterPriority, lower_thread_priority
 from agent.restore.manifest import METADATA_FILE
 
 PROTOCOL = "torchrevive"
 IO_CONCURRENCY_ENV = "TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"
 """torchsnapshot's knob: how many writes (and reads) a rank has in flight at once."""
+SLAB_THRESHOLD_ENV = "TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE"
+"""torchsnapshot's knob: tensors smaller than this are copied into shared files ("slabs") of about
+this size (its default: 128 MB)."""
+SLAB_THRESHOLD_BYTES = 4 << 20
+"""Ours: only small tensors are batched. torchsnapshot builds each slab with a copy in its event
+loop, holding the GIL: at its default, a second copy of nearly every tensor of a model whose
+tensors are under 128 MB, before the first write, while training waits for the GIL (the writes of
+a 2 GB state began 2 s after the call, against 0.2 s, and were durable 3.3x later; see
+docs/measurements.md)."""
 _RECORD_OPTION = "torchrevive_record"
-_NICE_OPTION = "torchrevive_nice"
-_thread_nice = threading.local()
+_PRIORITY_OPTION = "torchrevive_priority"
 
 
 def limit_write_threads(threads: int) -> None:
     """At most ``threads`` snapshot writes in flight per rank, for every snapshot this process
     takes (torchsnapshot reads it from the environment), unless the environment sets it already."""
     os.environ.setdefault(IO_CONCURRENCY_ENV, str(threads))
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Run the calling thread (and the threads it starts later) at niceness ``nice`` (0: leave it).
-    Idempotent per thread; a niceness the process is not allowed to set is left as it is."""
-    if nice <= 0 or getattr(_thread_nice, "value", 0) >= nice:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:  # below the process's own niceness without CAP_SYS_NICE: keep that one
-        pass
-    _thread_nice.value = nice
 
 
 @dataclass
@@ -89,7 +86,7 @@ class DurableFSPlugin(StoragePlugin):
         options = storage_options or {}
         self.root = root
         self.record: WriteRecord = options.get(_RECORD_OPTION) or WriteRecord()
-        self.nice: int = options.get(_NICE_OPTION, 0)
+        self.priority: WriterPriority = options.get(_PRIORITY_OPTION, 0)
         self._reader = FSStoragePlugin(root)
         self._dirs_made: set[str] = set()
 
@@ -102,7 +99,7 @@ class DurableFSPlugin(StoragePlugin):
             self.record.fail(f"writing {os.path.join(self.root, write_io.path)}: {exc}")
 
     def _write_durably(self, relative: str, buf: Any) -> None:
-        lower_thread_priority(self.nice)
+        lower_thread_priority(self.priority)
         path = os.path.join(self.root, relative)
         directory = os.path.dirname(path)
         if directory not in self._dirs_made:
@@ -148,16 +145,18 @@ def storage_plugin(path: str, storage_options: dict[str, Any] | None = None) -> 
 
 
 def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[str],
-                   group: dist.ProcessGroup | None, nice: int = 0) -> WriteRecord:
+                   group: dist.ProcessGroup | None, priority: WriterPriority = 0) -> WriteRecord:
     """torchsnapshot writes ``app_state`` into ``path`` over ``group``; what this rank wrote. The
-    file writes run at niceness ``nice``.
+    file writes run at ``priority``; only tensors under :data:`SLAB_THRESHOLD_BYTES` are batched
+    into shared files (unless the environment sets torchsnapshot's threshold).
 
     Every rank of ``group`` calls this together. Errors in the files are in the record; anything
     else torchsnapshot raises is recorded too, so that the commit's collective still runs."""
     record = WriteRecord()
+    os.environ.setdefault(SLAB_THRESHOLD_ENV, str(SLAB_THRESHOLD_BYTES))  # read by torchsnapshot at each take
     try:
         torchsnapshot.Snapshot.take(f"{PROTOCOL}://{path}", app_state, pg=group, replicated=replicated,
-                                    storage_options={_RECORD_OPTION: record, _NICE_OPTION: nice})
+                                    storage_options={_RECORD_OPTION: record, _PRIORITY_OPTION: priority})
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the commit
         record.fail(f"torchsnapshot failed writing {path}: {type(exc).__name__}: {exc}")
     return record

@@ -30,7 +30,8 @@ from agent.checkpoint.collectives import first_error, own_group, rank
 from agent.checkpoint.commit import agree_and_commit, metadata_refused
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.checkpoint.stage import Stager
-from agent.checkpoint.write import lower_thread_priority, write_snapshot
+from agent.checkpoint.write import write_snapshot
+from agent.checkpoint.writer_priority import WriterPriority, lower_thread_priority
 from agent.commit_notice import write_notice
 from agent.events import EventLog
 from agent.memory.layout import KEY_FILE, MemorySnapshot, discard, prune
@@ -50,10 +51,11 @@ class MemorySaver:
         local_rank: the node's local rank 0 prunes the node's older snapshots.
         events: where ``memory_save_committed`` / ``memory_save_failed`` go.
         commit_notice: where to tell the node's agent of each commit (:mod:`agent.commit_notice`).
+        writer_nice: how low its writer threads run (see :data:`~agent.checkpoint.write.WriterPriority`).
     """
 
     def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
-                 events: EventLog, commit_notice: str | None = None, writer_nice: int = 10) -> None:
+                 events: EventLog, commit_notice: str | None = None, writer_nice: WriterPriority = 10) -> None:
         self.root, self.interval_steps, self.round = Path(root), interval_steps, round
         self._buddy = parse_address(buddy) if buddy else None
         self._secret = read_key(self.root / KEY_FILE) if buddy else b""
@@ -100,7 +102,7 @@ class MemorySaver:
         snapshot = MemorySnapshot(self.round, step)
         path = self.root / snapshot.relative
         try:
-            record = write_snapshot(path, staged, replicated=replicated, group=group, nice=self.writer_nice)
+            record = write_snapshot(path, staged, replicated=replicated, group=group, priority=self.writer_nice)
             error = record.error or self._replicate(path, snapshot, record.files)
         except Exception as exc:  # noqa: BLE001 - a collective failed (a peer died): reported, never raised
             self._failed(snapshot, f"{type(exc).__name__}: {exc}")  # this rank never reached the commit
