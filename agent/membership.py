@@ -30,10 +30,6 @@ logger = logging.getLogger(__name__)
 FRESH_READ_WAIT_S = 1.0
 """How long ``check(now=True)`` waits for a fresh read; the backend answers in milliseconds when it
 is reachable, and the monitor loop must not wait out an outage."""
-DECLARATION_GRACE_S = 0.3
-"""How long ``check(now=True)``, once a fresh read showed no change, waits still for a peer's
-closed connection: a killed node's workers may die, and break this node's collectives, a moment
-before its agent's connection closes. A worker's failure of its own is restarted that much later."""
 
 Cause = Literal["node_lost", "node_hung", "node_joined", "round_advanced", "worker_failed"]
 """node_lost: a participant's heartbeats lapsed (killed, frozen or cut off: from the survivors'
@@ -157,8 +153,6 @@ class MembershipWatch:
         check, and drop it from the rendezvous state at the next read."""
         self._ledger.declare_dead(node, at)
         self._wake.set()
-        with self._published:  # a check waiting for a declaration
-            self._published.notify_all()
 
     def pause(self) -> None:
         """Stop reading (call before each rendezvous); returns once no read is in flight."""
@@ -194,13 +188,15 @@ class MembershipWatch:
         """The change since ``start_round`` that the latest read shows, if any (each read is
         compared once), or a participant declared dead since (told once). With ``now`` (workers
         just failed: was it because of a membership change?) it waits up to FRESH_READ_WAIT_S for
-        a read that starts after the call and, when that shows no change, up to
-        DECLARATION_GRACE_S for a peer's closed connection to tell of its death."""
+        a read that starts after the call."""
         if self._round is None:
             return None
-        declared = self._declared_change(workers_healthy)
-        if declared is not None:
-            return declared
+        declared = {node: at for node, at in self._ledger.declared().items()
+                    if node in self._round.participants and node not in self._reported_dead}
+        if declared:
+            self._reported_dead |= declared.keys()
+            return Change("node_lost", lost=frozenset(declared), failed_at=min(declared.values()),
+                          workers_blocked=workers_healthy, by_connection=True)
         asked = time.monotonic()
         if now:
             self._wake.set()
@@ -209,29 +205,10 @@ class MembershipWatch:
                 self._published.wait_for(lambda: self._latest is not None and self._latest[0] >= asked,
                                          timeout=FRESH_READ_WAIT_S)
             latest = self._latest
-        change = None
-        if latest is not None and latest[0] >= self._round_started and latest[0] > self._compared:
-            self._compared = latest[0]
-            change = self._change(latest[1], workers_healthy)
-        if change is None and now:
-            with self._published:
-                self._published.wait_for(lambda: bool(self._newly_declared()), timeout=DECLARATION_GRACE_S)
-            change = self._declared_change(workers_healthy)
-        return change
-
-    def _newly_declared(self) -> dict[str, float]:
-        """The round's participants declared dead and not yet told, with when their connection closed."""
-        assert self._round is not None, "asked only once a round started"
-        return {node: at for node, at in self._ledger.declared().items()
-                if node in self._round.participants and node not in self._reported_dead}
-
-    def _declared_change(self, workers_healthy: bool) -> Change | None:
-        declared = self._newly_declared()
-        if not declared:
+        if latest is None or latest[0] < self._round_started or latest[0] <= self._compared:
             return None
-        self._reported_dead |= declared.keys()
-        return Change("node_lost", lost=frozenset(declared), failed_at=min(declared.values()),
-                      workers_blocked=workers_healthy, by_connection=True)
+        self._compared = latest[0]
+        return self._change(latest[1], workers_healthy)
 
     def _change(self, current: Membership, workers_healthy: bool) -> Change | None:
         assert self._round is not None, "compared only once a round started"

@@ -72,7 +72,7 @@ def test_a_dtype_the_format_cannot_hold_is_refused_before_writing(tmp_path):
 
 def model_state(seed: int) -> dict:
     torch.manual_seed(seed)
-    return {"model": nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 1024))}
+    return {"model": nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 1536))}  # a 6 MB weight: two blocks
 
 
 def weights(app: dict) -> torch.Tensor:
