@@ -45,12 +45,11 @@ import torch
 import torch.distributed as dist
 from harness.bench_state import WIDTH, build_state, dcp_state, machine, state_bytes
 
-METHODS = ["torchrevive", "torchrevive_idle", "torchrevive_slabs128", "torchsnapshot_take", "torchsnapshot_async_take",
-           "dcp_save", "dcp_async_save"]
 FSYNCS = {"torchrevive": True, "torchrevive_idle": True, "torchrevive_slabs128": True, "torchsnapshot_take": False,
           "torchsnapshot_async_take": False, "dcp_save": True, "dcp_async_save": True}
 """Whether the method's "done" means on disk: DCP's FileSystemWriter fsyncs each file (its
 ``sync_files``, on by default); torchsnapshot's file-system plugin does not."""
+METHODS = list(FSYNCS)
 
 Save = Callable[[int], tuple[Callable[[], None], Callable[[], bool]]]
 """Starts save number i; returns once the caller may change the state again, with a function

@@ -51,7 +51,7 @@ class MemorySaver:
         local_rank: the node's local rank 0 prunes the node's older snapshots.
         events: where ``memory_save_committed`` / ``memory_save_failed`` go.
         commit_notice: where to tell the node's agent of each commit (:mod:`agent.commit_notice`).
-        writer_nice: how low its writer threads run (see :data:`~agent.checkpoint.write.WriterPriority`).
+        writer_nice: how low its writer threads run (see :data:`~agent.checkpoint.writer_priority.WriterPriority`).
     """
 
     def __init__(self, root: Path, *, interval_steps: int, buddy: str, round: int, local_rank: int,
