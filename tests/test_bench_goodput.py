@@ -22,6 +22,7 @@ from agent.events import read_events
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_goodput import LOSS_RTOL, Fault, loss_vs_fault_free, make_schedule, measure
 from harness.goodput_plot import draw
+from harness.machine import PAGE_REPORTING_ORDER
 from harness.peers_env import PeersUnavailable, peers_python
 from harness.workloads import workload_of
 
@@ -146,8 +147,8 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
     assert report["results"]["fault_free"]["goodput"] == 1.0
     # The machine as the figures need it: on a VM that hands freed memory back to its host, fresh
     # memory costs far more to touch (harness.machine).
-    reporting = Path("/sys/module/page_reporting/parameters/page_reporting_order")
-    assert report["machine"]["free_page_reporting_order"] == (int(reporting.read_text()) if reporting.exists() else None)
+    assert report["machine"]["free_page_reporting_order"] == (int(PAGE_REPORTING_ORDER.read_text())
+                                                              if PAGE_REPORTING_ORDER.exists() else None)
     assert report["machine"]["cpus"] == os.cpu_count() and len(report["machine"]["load_avg_1m_5m_15m"]) == 3
     assert (report["workload"], report["params"]) == ("mlp", workload_of(argparse.Namespace(state_mb=4)).params)
     assert all(result["tokens"] is None for result in report["results"].values())  # the MLP's samples are no text

@@ -6,11 +6,11 @@ worker died restarts it (the fallback), and the round still agrees on one step."
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
-from conftest import REPO, start_torchrevive
-from test_recovery_e2e import assert_trained_as_without_faults, harness_args, train_through_a_node_loss
+from conftest import REPO, start_torchrevive, wait_until
+from test_recovery_e2e import (assert_trained_as_without_faults, harness_args, train_through_a_join,
+                               train_through_a_node_loss)
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
@@ -44,6 +44,26 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
     last_started = max(e["step"] for e in read_events(faulty / "samples.jsonl") if e["world_size"] == 3)
     assert recovery["restored_step"] in (last_started - 1, last_started), (recovery, last_started)
     assert_trained_as_without_faults(faulty, reference)
+
+
+JOIN_WIDTH = 1024
+
+
+def test_a_joining_node_heals_from_a_peer_and_the_job_trains_as_without_faults(tmp_path):
+    """2 -> 3 ranks in-process: the new node's worker receives the survivors' state (nothing from
+    storage), and the job sees the same samples per step and ends with the same model as one rank
+    trained without faults: the healed parameters, optimizer moments and data position are those
+    of the step the others held."""
+    faulty, reference = tmp_path / "faulty", tmp_path / "reference"
+    faulty.mkdir()
+    # Wide enough that the job is still at its first 300 steps when the new node has started.
+    joined_at = train_through_a_join(faulty, JOIN_WIDTH, in_process=True)
+    events = read_events(faulty / "events.jsonl")
+    healed = [e for e in events if e["event"] == "restore_done" and e["time"] > joined_at]
+    assert healed and {e["source"] for e in healed} <= {"peer", "in_process"}, healed
+    assert any(e["source"] == "peer" and e["bytes"] > 0 for e in healed), healed
+    assert max(e["world_size"] for e in read_events(faulty / "samples.jsonl")) == 3
+    assert_trained_as_without_faults(faulty, reference, JOIN_WIDTH)
 
 
 def test_a_join_a_freeze_a_worker_crash_and_a_kill_during_the_reformation_in_process(tmp_path):
@@ -113,11 +133,12 @@ def train_on_two_nodes(tmp_path: Path, rdzv_endpoint: str, script: str, *options
             f"observability.event_log={events}", *options, str(tmp_path / "train.py"), str(tmp_path)]
     first = start_torchrevive(args)
     try:
-        wait_until(lambda: (tmp_path / "world0").exists(), first, "the first node trains")
+        wait_until(while_running(first, lambda: (tmp_path / "world0").exists()), 120, "training on the first node")
         second = start_torchrevive(args)
         try:
-            wait_until(lambda: all((tmp_path / f"world{r}").exists() and (tmp_path / f"world{r}").read_text() == "2"
-                                   for r in (0, 1)), first, "both nodes train at world size 2")
+            wait_until(while_running(first, lambda: all((tmp_path / f"world{r}").exists()
+                                                        and (tmp_path / f"world{r}").read_text() == "2" for r in (0, 1))),
+                       120, "training of both nodes at world size 2")
             (tmp_path / "stop").touch()
             outputs = [proc.communicate(timeout=60)[0] for proc in (first, second)]
             assert [first.returncode, second.returncode] == [0, 0], outputs
@@ -168,9 +189,9 @@ def test_a_worker_stuck_after_it_left_a_round_is_restarted_and_its_stacks_logged
     assert "in __del__" in outputs[0]  # where it stalled, from its stacks
 
 
-def wait_until(condition, proc, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"the job ended before {what}: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.1)
+def while_running(proc, condition):
+    """``condition``, which fails at once with ``proc``'s output if ``proc`` has ended."""
+    def check():
+        assert proc.poll() is None, f"the job ended: {proc.communicate()[0][-3000:]}"
+        return condition()
+    return check

@@ -103,12 +103,34 @@ def train_through_a_node_loss(work, **overrides) -> float:
     return killed_at
 
 
-def assert_trained_as_without_faults(faulty, reference) -> None:
+def train_through_a_join(work, width: int, **overrides) -> float:
+    """examples/train.py (``width``, STEPS, samples logged) on 2 nodes, a third started once a
+    snapshot committed, until the job ends at 3; when the third started."""
+    args = harness_args(scenario="join", steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
+                        **overrides)
+    cluster = Cluster(args, work)
+    cluster.workload = mlp_workload(width)
+    try:
+        for index in range(2):
+            cluster.start(index)
+        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == 2],
+                                  120, "a round of 2 nodes")[0]["time"]
+        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed], 120,
+                         "a committed snapshot")
+        joined_at = time.time()
+        cluster.start(2)
+        assert cluster.wait_done(240) == [0, 0, 0]
+    finally:
+        cluster.stop()
+    return joined_at
+
+
+def assert_trained_as_without_faults(faulty, reference, width: int = WIDTH) -> None:
     """The same samples per step, and the same final model, as one rank trained without faults."""
-    chaos.reference_run(reference, STEPS, WIDTH)
+    chaos.reference_run(reference, STEPS, width)
     assert per_step_samples(faulty / "samples.jsonl") == per_step_samples(reference / "samples.jsonl")
-    ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", WIDTH)
-    theirs = chaos.final_model(reference / f"step_{STEPS}", WIDTH)
+    ours = chaos.final_model(faulty / "checkpoints" / f"step_{STEPS}", width)
+    theirs = chaos.final_model(reference / f"step_{STEPS}", width)
     # Equal up to float summation order (gradients averaged over 3, then 2, ranks instead of 1):
     # after 300 Adam steps weights of ~0.2 differ by ~2e-6; a wrong sample or restore moves them ~1e-2.
     for key in theirs:
