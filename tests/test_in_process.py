@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, start_torchrevive, wait_until
-from test_recovery_e2e import (assert_trained_as_without_faults, harness_args, train_through_a_join,
-                               train_through_a_node_loss)
+from test_recovery_e2e import assert_trained_as_without_faults, harness_args, train_through
 
 from agent.events import read_events
 from agent.recovery_timeline import recovery_after
@@ -31,7 +30,7 @@ def test_the_survivors_of_a_node_loss_keep_their_processes_and_lose_nothing(tmp_
     and ends with the same model as one rank trained without faults."""
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     faulty.mkdir()
-    killed_at = train_through_a_node_loss(faulty, in_process=True)
+    killed_at = train_through("kill", faulty, in_process=True)
     events = read_events(faulty / "events.jsonl")
     recovery = recovery_after(events, killed_at, failed_at=killed_at)
     assert recovery is not None and recovery["path"] == "in_process", recovery
@@ -57,7 +56,7 @@ def test_a_joining_node_heals_from_a_peer_and_the_job_trains_as_without_faults(t
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     faulty.mkdir()
     # Wide enough that the job is still at its first 300 steps when the new node has started.
-    joined_at = train_through_a_join(faulty, JOIN_WIDTH, in_process=True)
+    joined_at = train_through("join", faulty, JOIN_WIDTH, in_process=True)
     events = read_events(faulty / "events.jsonl")
     healed = [e for e in events if e["event"] == "restore_done" and e["time"] > joined_at]
     assert healed and {e["source"] for e in healed} <= {"peer", "in_process"}, healed

@@ -78,51 +78,34 @@ WIDTH = 256
 STEPS = 300
 
 
-def train_through_a_node_loss(work, **overrides) -> float:
-    """examples/train.py (WIDTH, STEPS, samples logged) on 3 nodes until it ends, node 2 killed once
-    a snapshot committed; when it was killed."""
-    args = harness_args(scenario="kill", steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
-                        **overrides)
-    cluster = Cluster(args, work)
-    cluster.workload = mlp_workload(WIDTH)
-    try:
-        for index in range(3):
-            cluster.start(index)
-        # All 3 in one round first: on a loaded machine a node slower to start joins a round later,
-        # and the kill would hit a job that never had it.
-        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == 3],
-                                  120, "a round of all 3 nodes")[0]["time"]
-        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed], 120,
-                         "a committed snapshot")
-        killed_at = time.time()
-        cluster.signal(2, signal.SIGKILL)
-        cluster.nodes.pop(2).wait()
-        assert cluster.wait_done(240) == [0, 0]
-    finally:
-        cluster.stop()
-    return killed_at
-
-
-def train_through_a_join(work, width: int, **overrides) -> float:
-    """examples/train.py (``width``, STEPS, samples logged) on 2 nodes, a third started once a
-    snapshot committed, until the job ends at 3; when the third started."""
-    args = harness_args(scenario="join", steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
+def train_through(change: str, work, width: int = WIDTH, **overrides) -> float:
+    """examples/train.py (``width``, STEPS, samples logged) until it ends, through one membership
+    change once a snapshot committed: ``kill`` (node 2 of 3 killed) or ``join`` (node 2 started
+    beside the other two); when it happened."""
+    args = harness_args(scenario=change, steps=STEPS, train_args=["--log-samples", str(work / "samples.jsonl")],
                         **overrides)
     cluster = Cluster(args, work)
     cluster.workload = mlp_workload(width)
+    first = 3 if change == "kill" else 2
     try:
-        for index in range(2):
+        for index in range(first):
             cluster.start(index)
-        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == 2],
-                                  120, "a round of 2 nodes")[0]["time"]
-        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed], 120,
-                         "a committed snapshot")
-        joined_at = time.time()
-        cluster.start(2)
-        assert cluster.wait_done(240) == [0, 0, 0]
+        # All in one round first: on a loaded machine a node slower to start joins a round later,
+        # and the change would hit a job that never had it.
+        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done"
+                                              and len(e["nodes"]) == first], 120, f"a round of all {first} nodes")
+        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed[0]["time"]],
+                         120, "a committed snapshot")
+        changed_at = time.time()
+        if change == "kill":
+            cluster.signal(2, signal.SIGKILL)
+            cluster.nodes.pop(2).wait()
+        else:
+            cluster.start(2)
+        assert cluster.wait_done(240) == [0] * len(cluster.nodes)
     finally:
         cluster.stop()
-    return joined_at
+    return changed_at
 
 
 def assert_trained_as_without_faults(faulty, reference, width: int = WIDTH) -> None:
@@ -142,7 +125,7 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
     with the same model as one rank trained without faults (ElasticSampler keeps the global batch)."""
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     faulty.mkdir()
-    train_through_a_node_loss(faulty)
+    train_through("kill", faulty)
     events = read_events(faulty / "events.jsonl")
     assert any(e["event"] == "rendezvous_done" and e["world_size"] == 2 for e in events)
     assert_trained_as_without_faults(faulty, reference)
