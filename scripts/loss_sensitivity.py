@@ -1,6 +1,6 @@
 """How far a tiny numerical difference carries in the goodput benchmark's training: the MLP of
-examples/mlp.py (Adam, the global batch of examples/train.py) trained twice in this process, side
-by side, the second with one step's gradients scaled by ``1 + rel * N(0, 1)`` elementwise (what a
+examples/mlp.py (Adam, the global batch, initial weights and data order of examples/train.py)
+trained twice in this process, side by side, the second with one step's gradients scaled by ``1 + rel * N(0, 1)`` elementwise (what a
 different float summation order does, at about 1e-7). Prints each later step's relative loss
 difference; the JSON has them all and their maximum.
 
@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
+
+from agent import ElasticSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mlp import build_model, synthetic_dataset  # noqa: E402
@@ -47,12 +50,18 @@ def main() -> None:
 
     runs = [trained(), trained()]
     data = synthetic_dataset(args.samples, 0)
-    epochs = -(-args.steps * GLOBAL_BATCH // args.samples)
-    order = torch.cat([torch.randperm(args.samples, generator=torch.Generator().manual_seed(epoch))
-                       for epoch in range(epochs)])
+    # examples/train.py's data order: its sampler at world size 1, one micro-batch a step.
+    sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH, seed=0,
+                             rank=0, world_size=1)
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+    batches = iter(loader)
     differences: list[tuple[int, float]] = []
     for step in range(1, args.steps + 1):
-        x, y, _ = data[order[(step - 1) * GLOBAL_BATCH:step * GLOBAL_BATCH]]
+        batch = next(batches, None)
+        if batch is None:  # the epoch ended: the sampler has moved on to the next one
+            batches = iter(loader)
+            batch = next(batches)
+        x, y, _ = batch
         losses = []
         for index, (model, optimizer) in enumerate(runs):
             optimizer.zero_grad(set_to_none=True)
@@ -64,6 +73,7 @@ def main() -> None:
                         p.grad.mul_(1 + args.rel * torch.randn_like(p.grad))
             optimizer.step()
             losses.append(loss.item())
+        sampler.advance()
         if step > args.perturb_at:
             differences.append((step, abs(losses[0] - losses[1]) / abs(losses[0])))
             print(f"step {step} loss {losses[0]:.6f} relative difference {differences[-1][1]:.1e}", flush=True)
