@@ -255,8 +255,9 @@ def test_survivors_see_a_killed_node_lost_from_its_closed_connection(tmp_path):
     # survivor's change is then its worker's failure, and its next round names the killed node lost.
     next_rounds = {e["node"]: e for e in events if e["event"] == "rendezvous_done" and e["lost"] == killed}
     assert len(next_rounds) == 2, next_rounds
+    saw_it_closed = {change["node"] for change in changes}
     for survivor, next_round in next_rounds.items():
-        if survivor not in {change["node"] for change in changes}:
+        if survivor not in saw_it_closed:
             change = [e for e in events if e["event"] == "membership_change" and e["node"] == survivor
                       and e["time"] <= next_round["time"]][-1]
             assert change["cause"] == "worker_failed", change
