@@ -3,8 +3,11 @@ its workers' job committed a snapshot.
 
 Every rank learns a commit's verdict from rank 0 (the commit's last collective); each node's local
 rank 0 then replaces one small JSON file, ``TORCHREVIVE_COMMIT_NOTICE``, with the step, the tier,
-and the times of this commit and the one before it. The agent reads it to admit a joining node
-right after a commit (see ``elastic.join_wait``): the two times say when the next one is due.
+the times of this commit and the one before it, and the job's pace: its steady step time and the
+steps between two commits. A round's restore writes one too (tier ``restore``): from then on, a
+restart would go back to that step. The agent reads it to admit a joining node right after a
+commit (see ``elastic.join_wait``): the notice says when the next one is due, and how much training
+a restart now would throw away.
 """
 
 from __future__ import annotations
@@ -19,25 +22,47 @@ from pathlib import Path
 from agent.checkpoint.durable import write_file
 
 
+RESTORE_TIER = "restore"
+"""The tier of the notice a round's restore writes: the step the round went on from, no new commit."""
+
+
 @dataclass(frozen=True)
 class CommitNotice:
-    """The latest commit a node's workers saw: ``step`` of ``tier`` ("storage" or "memory"),
-    committed at ``at`` (seconds since the epoch, this node's clock), the one before at
-    ``previous_at`` (None for the first)."""
+    """The latest commit a node's workers saw: ``step`` of ``tier`` ("storage", "memory", or
+    ``RESTORE_TIER`` for the step this round restored), committed at ``at`` (seconds since the
+    epoch, this node's clock), the commit before at ``previous_at`` (None for the first, and after
+    a restore); the job's steady step time ``step_s`` and ``interval_steps`` between two commits of
+    any tier (None while unknown)."""
 
     step: int
     tier: str
     at: float
     previous_at: float | None
+    step_s: float | None = None
+    interval_steps: int | None = None
+
+    @property
+    def is_commit(self) -> bool:
+        """A snapshot committed (not a round's restore)."""
+        return self.tier != RESTORE_TIER
 
     @property
     def next_due(self) -> float | None:
-        """When the next commit is due, as far as the last two tell (None after the first)."""
+        """When the next commit is due: ``interval_steps`` steps of ``step_s`` after this one, or,
+        while the pace is unknown, as far apart as the last two (None after the first)."""
+        if self.step_s is not None and self.interval_steps is not None:
+            return self.at + self.interval_steps * self.step_s
         return None if self.previous_at is None else self.at + (self.at - self.previous_at)
 
+    def at_risk_s(self, now: float) -> float:
+        """Seconds of training a restart at ``now`` throws away: all since this commit or restore."""
+        return max(0.0, now - self.at)
 
-def write_notice(path: str | os.PathLike[str], *, step: int, tier: str) -> str | None:
-    """Record a commit of ``step`` (atomically: a reader sees the old notice or the new one).
+
+def write_notice(path: str | os.PathLike[str], *, step: int, tier: str, step_s: float | None = None,
+                 interval_steps: int | None = None) -> str | None:
+    """Record a commit of ``step`` (atomically: a reader sees the old notice or the new one); the
+    pace given (``step_s``, ``interval_steps``), else the previous notice's.
 
     Never raises: the commit it tells of has happened, and a notice that cannot be written (a full
     disk, say) must not turn it into a failed save. Returns the error (also warned), else None.
@@ -45,7 +70,11 @@ def write_notice(path: str | os.PathLike[str], *, step: int, tier: str) -> str |
     memory save may tell of their commits at the same moment, and the last one stays."""
     path = Path(path)
     previous = read_notice(path)
-    notice = {"step": step, "tier": tier, "at": time.time(), "previous_at": previous.at if previous else None}
+    notice = {"step": step, "tier": tier, "at": time.time(),
+              "previous_at": previous.at if previous and tier != RESTORE_TIER else None,
+              "step_s": step_s if step_s is not None else previous.step_s if previous else None,
+              "interval_steps": interval_steps if interval_steps is not None
+              else previous.interval_steps if previous else None}
     try:
         write_file(path, json.dumps(notice))
     except OSError as exc:
@@ -59,7 +88,8 @@ def read_notice(path: str | os.PathLike[str]) -> CommitNotice | None:
     """The latest notice at ``path``; None when there is none yet (or it is unreadable)."""
     try:
         raw = json.loads(Path(path).read_text())
-        return CommitNotice(step=int(raw["step"]), tier=str(raw["tier"]), at=float(raw["at"]),
-                            previous_at=None if raw["previous_at"] is None else float(raw["previous_at"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        optional = {key: None if raw.get(key) is None else kind(raw[key])
+                    for key, kind in (("previous_at", float), ("step_s", float), ("interval_steps", int))}
+        return CommitNotice(step=int(raw["step"]), tier=str(raw["tier"]), at=float(raw["at"]), **optional)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

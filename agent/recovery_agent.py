@@ -124,8 +124,10 @@ class RecoveryAgent(LocalElasticAgent):
             torch_private.bind_shared_store(handler, tcp_store_on)
         # Two agents see a join up to one membership read and a monitor pass or two apart.
         skew = (self._watch.poll_interval if self._watch else 0.0) + 2 * job.job.monitor_interval
+        # In-process, a joining node heals from its peers' memory: a join throws nothing away, and waits for nothing.
         self._machine = RecoveryMachine(self._remaining_restarts, watches_membership=self._watch is not None,
-                                        join_wait_s=job.elastic.join_wait, detection_skew_s=skew)
+                                        join_wait_s=0.0 if job.elastic.in_process else job.elastic.join_wait,
+                                        detection_skew_s=skew)
         # Where the node's local rank 0 tells of each commit (agent.commit_notice); the agent's own.
         self._notice_dir = Path(tempfile.mkdtemp(prefix="torchrevive-agent-"))
         self._commit_notice = self._notice_dir / "commit_notice.json"

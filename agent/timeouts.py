@@ -25,7 +25,6 @@ TORCH_RENDEZVOUS_DEFAULTS_S = {
 }
 """torch.distributed.elastic's dynamic rendezvous defaults, for the keys a recovery depends on."""
 TORCH_KEEP_ALIVE_MAX_ATTEMPT = 3
-DEFAULT_JOIN_WAIT_S = 30.0
 DEFAULT_PROCESS_GROUP_TIMEOUT_S = 600.0
 """torch's own default for NCCL process groups (gloo's is 30 min): long enough for a slow rank's
 first compiled step, short enough that a hang the agent cannot see still ends."""
@@ -47,9 +46,15 @@ def default_lease_ttl_s(keep_alive_interval: float, keep_alive_max_attempt: int)
 
 
 def derived_join_wait_s(join_timeout: float, last_call_timeout: float) -> float:
-    """``elastic.join_wait`` when the job does not set it: 30 s, or half of what ``join_timeout``
-    leaves after a last call, so that a deferred node is let in well before it gives up."""
-    return min(DEFAULT_JOIN_WAIT_S, max(0.0, (join_timeout - last_call_timeout) / 2))
+    """``elastic.join_wait`` when the job does not set it: half of what ``join_timeout`` leaves
+    after a last call, so that a deferred node is let in well before it gives up (285 s with
+    torch's defaults; a join waits only while that costs less than a restart, see
+    :mod:`agent.recovery_states`)."""
+    return max(0.0, (join_timeout - last_call_timeout) / 2)
+
+
+DEFAULT_JOIN_WAIT_S = derived_join_wait_s(TORCH_RENDEZVOUS_DEFAULTS_S["join_timeout"],
+                                          TORCH_RENDEZVOUS_DEFAULTS_S["last_call_timeout"])
 
 
 def derived_process_group_timeout_s(detection_s: float, stop_grace: float) -> float:

@@ -39,7 +39,8 @@ scripts/setup_peers.sh on first use).
 `--memory-interval K` turns the memory tier on (a memory snapshot every K steps); each node then
 mounts a tmpfs of its own (--memory-mb) at one path, in a mount namespace of its own (root).
 
-JSON: {"scenario", "backend", "nodes", "nproc_per_node", "workload", "params", "state_bytes", "torchrevive": {"recovery_s",
+JSON: {"scenario", "backend", "nodes", "nproc_per_node", "workload", "params", "state_bytes", "torchrevive": {"fault_at"
+(the fault's wall-clock time, as the events' "time"), "recovery_s",
 "world_size_before", "world_size_after", "restored_step", "restore_source" (memory or storage),
 "bytes_from_storage", "steps_lost" (the step reached when the agents stopped training, at the fault or,
 for a join that waited for a commit, after it, less the step restored), "deferred_s", "stall_s" (the job's

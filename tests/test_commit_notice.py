@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from torch import nn
 
 from agent.checkpoint import Checkpointer
-from agent.commit_notice import read_notice, write_notice
+from agent.commit_notice import RESTORE_TIER, read_notice, write_notice
 from agent.events import EventLog, read_events
 
 
@@ -25,6 +26,39 @@ def test_each_commit_replaces_the_notice_and_keeps_the_previous_time(tmp_path):
     assert second is not None and (second.step, second.tier, second.previous_at) == (50, "storage", first.at)
     assert second.next_due == second.at + (second.at - first.at)
     assert [p.name for p in tmp_path.iterdir()] == ["notice.json"]  # no temporary file left
+
+
+def test_the_pace_given_once_is_kept_and_says_when_the_next_commit_is_due(tmp_path):
+    path = tmp_path / "notice.json"
+    write_notice(path, step=50, tier="storage", step_s=1.5, interval_steps=10)
+    paced = read_notice(path)
+    assert paced is not None and paced.next_due == paced.at + 15  # one commit is enough with a pace
+    write_notice(path, step=60, tier="memory")  # the memory tier's writer knows no interval: it is kept
+    memory = read_notice(path)
+    assert memory is not None and (memory.step_s, memory.interval_steps, memory.previous_at) == (1.5, 10, paced.at)
+    write_notice(path, step=50, tier=RESTORE_TIER)  # a round went back to step 50: it restarts the clock
+    restored = read_notice(path)
+    assert restored is not None and not restored.is_commit and restored.previous_at is None
+    assert restored.next_due == restored.at + 15 and restored.at_risk_s(restored.at + 4) == 4
+
+
+def test_a_checkpointer_tells_its_pace_at_each_commit_and_restore(tmp_path):
+    notice, model = tmp_path / "notice.json", nn.Linear(4, 4)
+    ckpt = Checkpointer(tmp_path / "ckpt", interval_steps=3, staging=False, events=EventLog(tmp_path / "ev"),
+                        commit_notice=str(notice))
+    for step in range(1, 7):
+        time.sleep(0.02)
+        ckpt.maybe_save(step, {"model": model})
+    committed = read_notice(notice)
+    assert committed is not None and (committed.step, committed.tier, committed.interval_steps) == (6, "storage", 3)
+    assert committed.step_s is not None and 0.02 <= committed.step_s < 1.0, committed
+    restarted = Checkpointer(tmp_path / "ckpt", interval_steps=3, staging=False, events=EventLog(tmp_path / "ev"),
+                             commit_notice=str(notice))
+    assert restarted.restore({"model": model}) == 6
+    restored = read_notice(notice)
+    assert restored is not None and (restored.step, restored.tier, restored.step_s) == (6, RESTORE_TIER,
+                                                                                        committed.step_s)
+    assert restored.at > committed.at
 
 
 def test_an_unreadable_notice_is_no_notice(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.agent.server.api import WorkerState
 
-from agent.commit_notice import CommitNotice
+from agent.commit_notice import RESTORE_TIER, CommitNotice
 from agent.membership import Change
 from agent.recovery_states import (
     ConfirmLoss,
@@ -111,50 +111,94 @@ JOIN = Change("node_joined", joined=frozenset({"d"}))
 EVERY_10_S = CommitNotice(step=40, tier="memory", at=100.0, previous_at=90.0)  # the next is due at 110
 
 
-def deferring(join_wait_s: float = 30.0, *, at: float = 101.0) -> RecoveryMachine:
+def deferring(join_wait_s: float = 30.0, *, at: float = 107.0) -> RecoveryMachine:
+    """A join seen at ``at``: a restart would throw away 7 s of the job's training; waiting the 3 s
+    to the commit leaves 1 of 4 nodes idle, 0.75 s of it."""
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=join_wait_s)
     machine.round_formed(ABC, standby=False)
     action = machine.observe(WorkerState.HEALTHY, JOIN, now=at, commit=EVERY_10_S)
-    assert action == DeferJoin(JOIN, due=110.0, until=at + join_wait_s)
+    # It waits at most join_wait, and at most twice as long as the commit was due in (10 s at least).
+    assert action == DeferJoin(JOIN, due=110.0, until=at + min(join_wait_s, max(2 * (110.0 - at), 10.0)))
     return machine
 
 
 def test_a_join_waits_for_the_next_commit_and_restarts_from_it():
     machine = deferring()
-    assert machine.observe(WorkerState.HEALTHY, None, now=105.0, commit=EVERY_10_S) == Continue()
-    assert machine.observe(WorkerState.HEALTHY, JOIN, now=106.0, commit=EVERY_10_S) == Continue()  # seen again
+    assert machine.observe(WorkerState.HEALTHY, None, now=108.0, commit=EVERY_10_S) == Continue()
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=108.5, commit=EVERY_10_S) == Continue()  # seen again
     assert machine.phase == Phase.HEALTHY and machine.deferring  # the agent reads the notice on each pass
     committed = CommitNotice(step=50, tier="memory", at=110.2, previous_at=100.0)
     assert machine.observe(WorkerState.HEALTHY, None, now=110.3, commit=committed) == \
-        Recover(JOIN, deferred_s=pytest.approx(9.3), at_commit=50)
+        Recover(JOIN, deferred_s=pytest.approx(3.3), at_commit=50)
     assert machine.phase == Phase.STOPPING and not machine.deferring
+
+
+def test_a_rounds_restore_is_no_commit_to_end_a_wait():
+    machine = deferring()
+    restored = CommitNotice(step=40, tier=RESTORE_TIER, at=108.0, previous_at=None)
+    assert machine.observe(WorkerState.HEALTHY, None, now=108.1, commit=restored) == Continue()
 
 
 def test_a_commit_made_just_before_this_node_saw_the_join_counts_as_the_joins():
     # Another node saw the join earlier and restarts at this commit: this one does too, at once.
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0, detection_skew_s=0.5)
     machine.round_formed(ABC, standby=False)
-    assert machine.observe(WorkerState.HEALTHY, JOIN, now=100.3, commit=EVERY_10_S) == \
+    every_half_s = CommitNotice(step=40, tier="memory", at=100.0, previous_at=99.5)  # the next is due at 100.5
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=100.3, commit=every_half_s) == \
         Recover(JOIN, deferred_s=0.0, at_commit=40)
 
 
 def test_a_join_waits_no_longer_than_join_wait():
-    machine = deferring(join_wait_s=12.0)
-    assert machine.observe(WorkerState.HEALTHY, None, now=112.9, commit=EVERY_10_S) == Continue()  # the save is late
-    assert machine.observe(WorkerState.HEALTHY, None, now=113.0, commit=EVERY_10_S) == \
-        Recover(JOIN, deferred_s=pytest.approx(12.0), at_commit=None)
+    machine = deferring(join_wait_s=5.0)
+    assert machine.observe(WorkerState.HEALTHY, None, now=111.9, commit=EVERY_10_S) == Continue()  # the save is late
+    assert machine.observe(WorkerState.HEALTHY, None, now=112.0, commit=EVERY_10_S) == \
+        Recover(JOIN, deferred_s=pytest.approx(5.0), at_commit=None)
+
+
+def test_a_join_waits_no_longer_than_twice_the_time_the_commit_was_due_in():
+    machine = deferring(join_wait_s=285.0)  # torch's default join_timeout leaves that much
+    assert machine.observe(WorkerState.HEALTHY, None, now=116.9, commit=EVERY_10_S) == Continue()
+    assert machine.observe(WorkerState.HEALTHY, None, now=117.0, commit=EVERY_10_S) == \
+        Recover(JOIN, deferred_s=pytest.approx(10.0), at_commit=None)
+
+
+PACED = CommitNotice(step=50, tier="storage", at=100.0, previous_at=None, step_s=1.6, interval_steps=50)
+"""The first commit of a job that steps every 1.6 s and commits every 50 steps: the next is due at 180."""
+
+
+@pytest.mark.parametrize("now, waits", [
+    (101.0, False),  # just committed: a restart throws away 1 s of training, waiting 79 s idles 1 of 4 nodes
+    (115.0, False),  # at the break-even (15 s at risk, 65 s x 1/4 idle) a restart still wins
+    (117.0, True),
+    (150.0, True),  # 50 s at risk against 30 s x 1/4
+])
+def test_a_join_waits_when_that_costs_less_than_a_restart_throws_away(now, waits):
+    machine = RecoveryMachine(1, watches_membership=True, join_wait_s=285.0)
+    machine.round_formed(ABC, standby=False)
+    action = machine.observe(WorkerState.HEALTHY, JOIN, now=now, commit=PACED)
+    assert action == (DeferJoin(JOIN, due=180.0, until=now + 2 * (180.0 - now)) if waits else Recover(JOIN))
+
+
+def test_the_cost_counts_every_joining_node():
+    # Two of five nodes would idle: 26 s at risk against 54 s x 2/5 = 21.6 s waits; 22 s against
+    # 58 s x 2/5 = 23.2 s does not (with one node joining, 14.5 s idle, it would).
+    two = Change("node_joined", joined=frozenset({"d", "e"}))
+    for now, waits in ((126.0, True), (122.0, False)):
+        machine = RecoveryMachine(1, watches_membership=True, join_wait_s=285.0)
+        machine.round_formed(ABC, standby=False)
+        assert isinstance(machine.observe(WorkerState.HEALTHY, two, now=now, commit=PACED), DeferJoin) == waits
 
 
 @pytest.mark.parametrize("commit, join_wait_s", [
     (None, 30.0),  # no commit yet: none is known to be due
-    (CommitNotice(step=40, tier="storage", at=100.0, previous_at=None), 30.0),  # one commit: no interval yet
+    (CommitNotice(step=40, tier="storage", at=100.0, previous_at=None), 30.0),  # one commit, no pace: no interval
     (CommitNotice(step=40, tier="storage", at=100.0, previous_at=40.0), 30.0),  # the next is due at 160
     (EVERY_10_S, 0.0),  # deferral off
 ])
 def test_a_join_is_admitted_at_once_when_no_commit_is_due_within_join_wait(commit, join_wait_s):
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=join_wait_s)
     machine.round_formed(ABC, standby=False)
-    assert machine.observe(WorkerState.HEALTHY, JOIN, now=101.0, commit=commit) == Recover(JOIN)
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=107.0, commit=commit) == Recover(JOIN)
 
 
 @pytest.mark.parametrize("change", [
@@ -164,21 +208,21 @@ def test_a_join_is_admitted_at_once_when_no_commit_is_due_within_join_wait(commi
 def test_a_join_with_a_peer_gone_is_not_deferred(change):
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0)
     machine.round_formed(ABC, standby=False)
-    assert machine.observe(WorkerState.HEALTHY, change, now=101.0, commit=EVERY_10_S) == Recover(change)
+    assert machine.observe(WorkerState.HEALTHY, change, now=107.0, commit=EVERY_10_S) == Recover(change)
 
 
 def test_a_standby_node_does_not_defer_a_join():
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=30.0)
     machine.round_formed(ABC, standby=True)
-    assert machine.observe(WorkerState.HEALTHY, JOIN, now=101.0, commit=EVERY_10_S) == Recover(JOIN)
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=107.0, commit=EVERY_10_S) == Recover(JOIN)
 
 
 def test_a_loss_or_a_failure_while_a_join_waits_is_acted_on_at_once():
     machine = deferring()
-    assert machine.observe(WorkerState.HEALTHY, LOST, now=103.0, commit=EVERY_10_S) == Recover(LOST)
+    assert machine.observe(WorkerState.HEALTHY, LOST, now=108.0, commit=EVERY_10_S) == Recover(LOST)
     machine = deferring()
-    assert machine.observe(WorkerState.FAILED, None, now=103.0, commit=EVERY_10_S) == \
-        Recover(Change("worker_failed", failed_at=103.0), counted=True)
+    assert machine.observe(WorkerState.FAILED, None, now=108.0, commit=EVERY_10_S) == \
+        Recover(Change("worker_failed", failed_at=108.0), counted=True)
     machine.workers_stopped()
     machine.round_formed(ABC | {"d"}, standby=False)  # the next round: nothing deferred is left
     assert machine.observe(WorkerState.HEALTHY, None, now=200.0, commit=EVERY_10_S) == Continue()
@@ -186,7 +230,7 @@ def test_a_loss_or_a_failure_while_a_join_waits_is_acted_on_at_once():
 
 def test_the_end_of_the_job_while_a_join_waits_finishes_it():
     machine = deferring()
-    assert machine.observe(WorkerState.SUCCEEDED, None, now=103.0, commit=EVERY_10_S) == Finish(announce=True)
+    assert machine.observe(WorkerState.SUCCEEDED, None, now=108.0, commit=EVERY_10_S) == Finish(announce=True)
 
 
 @pytest.mark.parametrize("step", ["observe", "loss_confirmed", "workers_stopped"])

@@ -27,7 +27,8 @@ def test_defaults_follow_torch_and_keep_their_order():
     config = resolved(*ETCD)
     timeouts = recovery_timeouts(config)
     assert (timeouts.detection_s, timeouts.join_timeout, timeouts.last_call_timeout) == (15, 600, 30)
-    assert (config.elastic.join_wait, config.elastic.process_group_timeout, timeouts.lease_ttl) == (30, 600, 60)
+    # A join waits for a commit at most half of what join_timeout leaves after the last call.
+    assert (config.elastic.join_wait, config.elastic.process_group_timeout, timeouts.lease_ttl) == (285, 600, 60)
     assert timeouts.rule_breaks() == []
 
 

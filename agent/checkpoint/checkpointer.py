@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
 from agent.checkpoint.write import limit_write_threads, write_snapshot
 from agent.checkpoint.writer_priority import WriterPriority, check_writer_priority, lower_thread_priority
-from agent.commit_notice import write_notice
+from agent.commit_notice import RESTORE_TIER, write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
 from agent.events import EventLog
@@ -51,6 +53,8 @@ save fails the others' save after this long instead of the training's own timeou
 MEMORY_FETCH_TIMEOUT_S = 600.0
 """How long a rank waits for its agent to pull a memory snapshot's files from the peers; past it,
 the restore finds what is missing and falls back to storage with the other ranks."""
+PACE_WINDOW = 16
+"""The steps whose times give the steady step time the commit notice tells the agent."""
 
 
 class CheckpointError(TorchreviveError):
@@ -140,6 +144,9 @@ class Checkpointer:
         self._restored_from: Path | None = None
         self._first_step_pending = False
         self._graphs_at_restore = 0
+        self._step_times: deque[float] = deque(maxlen=PACE_WINDOW)
+        """The last seconds between two consecutive steps' ``maybe_save`` calls."""
+        self._last_step: tuple[int, float] | None = None
 
     @classmethod
     def from_env(cls) -> Checkpointer:
@@ -219,6 +226,7 @@ class Checkpointer:
         """Save when ``step`` is a multiple of ``interval_steps``; True when it did. The first call
         after ``restore`` (whether or not a snapshot existed) records the ``first_step_done``
         event: training is back (with the graphs torch.compile compiled in this process since)."""
+        self._time_step(step)
         if self._first_step_pending:
             self._first_step_pending = False
             self.events.record("first_step_done", step=step,
@@ -228,8 +236,23 @@ class Checkpointer:
         if step % self.interval_steps == 0:
             return self.save(step, app_state)
         if self.memory is not None and step % self.memory.interval_steps == 0:
-            self.memory.save(step, read_state_dicts(app_state), compat.replicated_patterns(app_state))
+            self.memory.save(step, read_state_dicts(app_state), compat.replicated_patterns(app_state),
+                             step_s=self.step_s())
         return False
+
+    def step_s(self) -> float | None:
+        """The steady step time: the median of the last steps' (None before two steps)."""
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def _time_step(self, step: int) -> None:
+        now = time.monotonic()
+        if self._last_step is not None and step == self._last_step[0] + 1:
+            self._step_times.append(now - self._last_step[1])
+        self._last_step = (step, now)
+
+    def _commit_interval(self) -> int:
+        """Steps between two commits of any tier."""
+        return min(self.interval_steps, self.memory.interval_steps) if self.memory else self.interval_steps
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, to be committed; CheckpointError if it failed.
@@ -271,6 +294,9 @@ class Checkpointer:
             candidates = [Path(chosen)] + [p for p in candidates if p != Path(chosen)]
         restored = restore_first_good(candidates, app_state, self.restore_options, self.events,
                                       fully_verified=self.memory.root if self.memory else None)
+        if self.commit_notice:  # a restart from now on throws away what this round trains
+            write_notice(self.commit_notice, step=step_of(restored[0]) if restored else 0, tier=RESTORE_TIER,
+                         interval_steps=self._commit_interval())
         if restored is None:
             return None
         self._restored_from, stats = restored
@@ -314,7 +340,8 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"{save.final}: saving step {step} failed ({error}); the partial snapshot was "
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
-        if self.commit_notice and (failed := write_notice(self.commit_notice, step=step, tier="storage")):
+        if self.commit_notice and (failed := write_notice(self.commit_notice, step=step, tier="storage",
+                                                          step_s=self.step_s(), interval_steps=self._commit_interval())):
             self.events.record("commit_notice_failed", step=step, error=failed)  # the save is committed all the same
         if rank(group) == 0:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))

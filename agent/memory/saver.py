@@ -72,9 +72,11 @@ class MemorySaver:
         self.skipped = 0
         """Saves skipped because the previous one was still being written."""
 
-    def save(self, step: int, state_dicts: Mapping[str, Any], replicated: list[str]) -> bool:
+    def save(self, step: int, state_dicts: Mapping[str, Any], replicated: list[str], *,
+             step_s: float | None = None) -> bool:
         """Stage ``state_dicts`` and write the memory snapshot of ``step`` in the background;
-        False when skipped (the previous one is still in flight on some rank)."""
+        False when skipped (the previous one is still in flight on some rank). ``step_s``: the
+        job's steady step time, for the commit notice."""
         busy = self._in_flight is not None and not self._in_flight.done()
         if first_error("busy" if busy else None) is not None:
             self.skipped += 1
@@ -82,7 +84,8 @@ class MemorySaver:
         started = time.perf_counter()
         group = self._save_group()
         staged = self._stager.stage(state_dicts)
-        self._in_flight = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started)
+        self._in_flight = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started,
+                                             step_s)
         return True
 
     def wait(self) -> None:
@@ -96,7 +99,7 @@ class MemorySaver:
         return self._group
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], replicated: list[str],
-                          group: dist.ProcessGroup | None, started: float) -> None:
+                          group: dist.ProcessGroup | None, started: float, step_s: float | None) -> None:
         """Write, replicate and commit; report the outcome. Only a snapshot known not to be
         committed is freed: what happens after the commit point never undoes it."""
         snapshot = MemorySnapshot(self.round, step)
@@ -126,10 +129,10 @@ class MemorySaver:
         if error is not None:
             self._failed(snapshot, error)
             return
-        self._after_commit(snapshot, path, committed[0] if committed else 0, started, group)
+        self._after_commit(snapshot, path, committed[0] if committed else 0, started, group, step_s)
 
     def _after_commit(self, snapshot: MemorySnapshot, path: Path, committed_bytes: int, started: float,
-                      group: dist.ProcessGroup | None) -> None:
+                      group: dist.ProcessGroup | None, step_s: float | None) -> None:
         """The bookkeeping of a committed snapshot; each step that fails is a warning, and the
         snapshot stays committed."""
         steps: list[tuple[str, Callable[[], object]]] = []
@@ -137,7 +140,8 @@ class MemorySaver:
             steps.append(("pruning the older snapshots", lambda: prune(self.root, snapshot)))
         if self._commit_notice:
             notice = self._commit_notice
-            steps.append(("writing the commit notice", lambda: write_notice(notice, step=snapshot.step, tier="memory")))
+            steps.append(("writing the commit notice", lambda: write_notice(notice, step=snapshot.step, tier="memory",
+                                                                            step_s=step_s)))
         if rank(group) == 0:
             steps.append(("recording the commit", lambda: self.events.record(
                 "memory_save_committed", step=snapshot.step, snapshot=str(path),

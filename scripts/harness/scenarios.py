@@ -89,7 +89,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             timeline["compile_warm_from"] = compile_warm_from(events, fault_at)
             if scenario == "join":
                 timeline["compile_joined_s"] = joined_compile_s(events, fault_at)
-            results.append({"scenario": scenario, **timeline})
+            results.append({"scenario": scenario, "fault_at": fault_at, **timeline})
             print(f"{scenario:12s} recovered in {timeline['recovery_s']:.2f} s, world size "
                   f"{timeline['world_size_before']} -> {timeline['world_size_after']}  "
                   + "  ".join(f"{k} {v:.2f}" for k, v in timeline["phases"].items()), flush=True)
