@@ -5,9 +5,9 @@ Every rank learns a commit's verdict from rank 0 (the commit's last collective);
 rank 0 then replaces one small JSON file, ``TORCHREVIVE_COMMIT_NOTICE``, with the step, the tier,
 the times of this commit and the one before it, and the job's pace: its steady step time and the
 steps between two commits. A round's restore writes one too (tier ``restore``): from then on, a
-restart would go back to that step. The agent reads it to admit a joining node right after a
-commit (see ``elastic.join_wait``): the notice says when the next one is due, and how much training
-a restart now would throw away.
+restart would go back to that step, and the next commit is due an interval after it. The agent
+reads it to admit a joining node right after a commit (see ``elastic.join_wait``): the notice says
+when the next one is due, from the first commit or restore of a round on.
 """
 
 from __future__ import annotations
@@ -53,10 +53,6 @@ class CommitNotice:
         if self.step_s is not None and self.interval_steps is not None:
             return self.at + self.interval_steps * self.step_s
         return None if self.previous_at is None else self.at + (self.at - self.previous_at)
-
-    def at_risk_s(self, now: float) -> float:
-        """Seconds of training a restart at ``now`` throws away: all since this commit or restore."""
-        return max(0.0, now - self.at)
 
 
 def write_notice(path: str | os.PathLike[str], *, step: int, tier: str, step_s: float | None = None,

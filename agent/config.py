@@ -254,11 +254,11 @@ class ElasticSection(_Section):
     stop_grace: Seconds = 3.0
     """How long workers get after SIGTERM before SIGKILL when the agent stops them."""
     join_wait: Seconds = DEFAULT_JOIN_WAIT_S
-    """The longest a joining node waits for the next committed snapshot (memory or storage), which
-    it does only when waiting idles it for less training than a restart now would throw away:
-    training goes on meanwhile, and the restart then loses only the steps trained while the workers
-    stop. 0: admitted at once (so are in-process joins). Unset: half of what
-    rendezvous.conf.join_timeout leaves after the last call (285 s with torch's defaults)."""
+    """A joining node is admitted at the next committed snapshot (memory or storage) when the
+    commit notice says one is due within this long: training goes on meanwhile, and the restart
+    then loses only the steps trained while the workers stop. 0: admitted at once (so are
+    in-process joins). Unset: half of what rendezvous.conf.join_timeout leaves after the last call
+    (285 s with torch's defaults)."""
     in_process: bool = False
     """Survivors of a membership change keep their processes: their workers leave the round and
     re-form in the next one (a training script written with ``agent.run_resilient``); a node

@@ -14,16 +14,19 @@ machine returns, as torch's own elastic agent is driven by ``WorkerState``::
     CONFIRMING_LOSS --loss_confirmed: a peer was lost--> STOPPING          (Recover)
                     --loss_confirmed: none--> FAILED                       (Fail)
     STOPPING --workers_stopped--> RENDEZVOUS
-    HEALTHY --observe: nodes wait to join, waiting for the next commit costs less--> HEALTHY (DeferJoin)
+    HEALTHY --observe: nodes wait to join, a commit due within join_wait--> HEALTHY (DeferJoin)
             --observe: a commit made since, or the wait ran out--> STOPPING (Recover)
 
-A node waiting to join is admitted at once unless waiting for the next commit costs less training
-than restarting now: a restart throws away everything trained since the last commit (or since the
-round's restore), while waiting only leaves the joining nodes' share of the job idle until the
-commit. Then training goes on until that commit and restarts from it, losing only the steps trained
-while the workers stop (a loss, a failure or the end of the job meanwhile is acted on at once, as
-ever). A join waits at most ``join_wait_s``, and at most twice as long as the commit was due in
-(``LATE_COMMIT_MIN_S`` at least): a commit that does not come is not waited for.
+A node waiting to join is admitted at once unless the commit notice says a snapshot is due within
+``join_wait_s``: then training goes on until that commit and restarts from it, losing only the
+steps trained while the workers stop (a loss, a failure or the end of the job meanwhile is acted on
+at once, as ever). A restart at once would throw away everything trained since the last commit (or
+the round's restore); waiting only leaves the joining nodes idle until the commit. Every agent
+decides alone, from its own node's notice of the same commits, so the rule depends on the notice
+and not on the moment each agent saw the join (a rule that weighed the time since the commit
+split the job when two agents saw the join on either side of its threshold). A join waits at most
+``join_wait_s``, and at most twice as long as the commit was due in (``LATE_COMMIT_MIN_S`` at
+least): a commit that does not come is not waited for.
 
 Only a worker's own failure counts against ``max_restarts``; a restart counted for a failure that
 the next round shows was caused by a membership change (peers lost or joined) is given back.
@@ -124,7 +127,7 @@ class RecoveryMachine:
         max_restarts: how many of its own worker failures the node survives.
         watches_membership: whether membership changes can be observed (a dynamic rendezvous:
             c10d, etcd3); without it a failure with no restart left fails the agent at once.
-        join_wait_s: the longest a join may wait for the next commit (0: never).
+        join_wait_s: how long a join may wait for a commit due by then (0: never).
         detection_skew_s: how much later than another node's agent this one may see the same
             join: a commit that close before it counts as made since (the others restart at it).
     """
@@ -203,16 +206,13 @@ class RecoveryMachine:
         return self._recover(Change("worker_failed", failed_at=now), counted=True)
 
     def _commit_due(self, change: Change, now: float, commit: CommitNotice | None) -> float | None:
-        """When the commit a join waits for is due; None when it does not wait: this node stands
-        by, somebody was lost or left, the notice says no commit is due within ``join_wait_s``, or
-        waiting costs more training than a restart now throws away."""
+        """When the commit a join can wait for is due; None when it cannot wait: this node stands
+        by, somebody was lost or left, or the notice says none is due within ``join_wait_s``."""
         due = commit.next_due if commit is not None else None
-        if not (self.phase == Phase.HEALTHY and _only_joins(change) and self.join_wait_s > 0
-                and commit is not None and due is not None and due <= now + self.join_wait_s):
-            return None
-        joining = max(1, len(change.joined))  # a rendezvous without a watch counts nodes waiting, not names
-        idle_share = joining / (len(self._participants) + joining)
-        return due if max(0.0, due - now) * idle_share < commit.at_risk_s(now) else None
+        if (self.phase == Phase.HEALTHY and _only_joins(change) and self.join_wait_s > 0
+                and due is not None and due <= now + self.join_wait_s):
+            return due
+        return None
 
     def _deferred_join(self, now: float, commit: CommitNotice | None) -> Action:
         """Training goes on; a join deferred ends at a commit made since, or at its deadline."""

@@ -48,8 +48,7 @@ def default_lease_ttl_s(keep_alive_interval: float, keep_alive_max_attempt: int)
 def derived_join_wait_s(join_timeout: float, last_call_timeout: float) -> float:
     """``elastic.join_wait`` when the job does not set it: half of what ``join_timeout`` leaves
     after a last call, so that a deferred node is let in well before it gives up (285 s with
-    torch's defaults; a join waits only while that costs less than a restart, see
-    :mod:`agent.recovery_states`)."""
+    torch's defaults)."""
     return max(0.0, (join_timeout - last_call_timeout) / 2)
 
 

@@ -132,16 +132,21 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
 
 
 def test_failures_during_a_save_and_during_a_restore(tmp_path):
-    runs = run_scenarios(harness_args(scenario="kill-during-save,join,kill-during-restore"), tmp_path)
+    # Every commit stays (no retention), so that each restore can be checked against the snapshots.
+    runs = run_scenarios(harness_args(scenario="kill-during-save,join,kill-during-restore", keep_snapshots=1_000_000),
+                         tmp_path)
     during_save, join, during_restore = runs
     assert (during_save["world_size_before"], during_save["world_size_after"]) == (3, 2)
     assert join["world_size_after"] == 3
     assert during_restore["world_size_after"] == 1 and during_restore["restored_step"] >= join["restored_step"]
     events = read_events(tmp_path / "events.jsonl")
-    committed = {e["step"] for e in events if e["event"] == "save_committed"}
     # Every restore picked a committed snapshot (never the one being written when its node died).
-    assert {e["step"] for e in events if e["event"] == "restore_done"} <= committed
-    for _, path in committed_snapshots(tmp_path / "checkpoints"):
+    # The directory is the record: rank 0 renames a snapshot into place once every rank wrote its
+    # share, and a worker stopped right after that rename never records its save_committed event.
+    committed = {step: path for step, path in committed_snapshots(tmp_path / "checkpoints")}
+    assert {e["step"] for e in events if e["event"] == "save_committed"} <= set(committed)
+    assert {e["step"] for e in events if e["event"] == "restore_done"} <= set(committed)
+    for path in committed.values():
         assert check_snapshot(path).checksummed
 
 

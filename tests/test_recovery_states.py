@@ -112,8 +112,7 @@ EVERY_10_S = CommitNotice(step=40, tier="memory", at=100.0, previous_at=90.0)  #
 
 
 def deferring(join_wait_s: float = 30.0, *, at: float = 107.0) -> RecoveryMachine:
-    """A join seen at ``at``: a restart would throw away 7 s of the job's training; waiting the 3 s
-    to the commit leaves 1 of 4 nodes idle, 0.75 s of it."""
+    """A join seen at ``at``, 3 s before the next commit is due."""
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=join_wait_s)
     machine.round_formed(ABC, standby=False)
     action = machine.observe(WorkerState.HEALTHY, JOIN, now=at, commit=EVERY_10_S)
@@ -166,27 +165,19 @@ PACED = CommitNotice(step=50, tier="storage", at=100.0, previous_at=None, step_s
 """The first commit of a job that steps every 1.6 s and commits every 50 steps: the next is due at 180."""
 
 
-@pytest.mark.parametrize("now, waits", [
-    (101.0, False),  # just committed: a restart throws away 1 s of training, waiting 79 s idles 1 of 4 nodes
-    (115.0, False),  # at the break-even (15 s at risk, 65 s x 1/4 idle) a restart still wins
-    (117.0, True),
-    (150.0, True),  # 50 s at risk against 30 s x 1/4
-])
-def test_a_join_waits_when_that_costs_less_than_a_restart_throws_away(now, waits):
+@pytest.mark.parametrize("notice", [PACED, CommitNotice(step=50, tier=RESTORE_TIER, at=100.0, previous_at=None,
+                                                        step_s=1.6, interval_steps=50)])
+def test_the_pace_tells_when_the_next_commit_is_due_after_one_commit_or_a_restore(notice):
+    # A round that went back to step 50 commits step 100 an interval after its restore: the join
+    # waits for that commit, where without the pace it would restart at once and throw away the
+    # steps since the restore.
     machine = RecoveryMachine(1, watches_membership=True, join_wait_s=285.0)
     machine.round_formed(ABC, standby=False)
-    action = machine.observe(WorkerState.HEALTHY, JOIN, now=now, commit=PACED)
-    assert action == (DeferJoin(JOIN, due=180.0, until=now + 2 * (180.0 - now)) if waits else Recover(JOIN))
-
-
-def test_the_cost_counts_every_joining_node():
-    # Two of five nodes would idle: 26 s at risk against 54 s x 2/5 = 21.6 s waits; 22 s against
-    # 58 s x 2/5 = 23.2 s does not (with one node joining, 14.5 s idle, it would).
-    two = Change("node_joined", joined=frozenset({"d", "e"}))
-    for now, waits in ((126.0, True), (122.0, False)):
-        machine = RecoveryMachine(1, watches_membership=True, join_wait_s=285.0)
-        machine.round_formed(ABC, standby=False)
-        assert isinstance(machine.observe(WorkerState.HEALTHY, two, now=now, commit=PACED), DeferJoin) == waits
+    assert machine.observe(WorkerState.HEALTHY, JOIN, now=130.0, commit=notice) == \
+        DeferJoin(JOIN, due=180.0, until=230.0)
+    committed = CommitNotice(step=100, tier="storage", at=181.0, previous_at=100.0, step_s=1.6, interval_steps=50)
+    assert machine.observe(WorkerState.HEALTHY, None, now=181.2, commit=committed) == \
+        Recover(JOIN, deferred_s=pytest.approx(51.2), at_commit=100)
 
 
 @pytest.mark.parametrize("commit, join_wait_s", [
