@@ -24,9 +24,9 @@ at once, as ever). A restart at once would throw away everything trained since t
 the round's restore); waiting only leaves the joining nodes idle until the commit. Every agent
 decides alone, from its own node's notice of the same commits, so the rule depends on the notice
 and not on the moment each agent saw the join (a rule that weighed the time since the commit
-split the job when two agents saw the join on either side of its threshold). A join waits at most
-``join_wait_s``, and at most twice as long as the commit was due in (``LATE_COMMIT_MIN_S`` at
-least): a commit that does not come is not waited for.
+would let two agents that saw the join on either side of its threshold decide differently). A
+join waits at most ``join_wait_s``, and at most twice as long as the commit was due in
+(``LATE_COMMIT_MIN_S`` at least): a commit that does not come is not waited for.
 
 Only a worker's own failure counts against ``max_restarts``; a restart counted for a failure that
 the next round shows was caused by a membership change (peers lost or joined) is given back.

@@ -104,8 +104,12 @@ def test_a_node_joining_with_the_memory_tier_takes_its_compile_caches_from_a_pee
     [join] = run_scenarios(args, tmp_path)
     assert (join["cause"], join["world_size_after"], join["compile_warm_from"]) == ("node_joined", 3, "peer"), join
     events = read_events(tmp_path / "events.jsonl")
-    ready = [e["warm_from"] for e in events if e["event"] == "compile_cache_ready"]
-    assert ready[:2] == ["none", "none"] and sorted(ready[2:]) == ["local", "local", "peer"], ready
+    # The job's first round had nothing to compile from (a node slow to start may have joined it
+    # at the next round); at the join, the two others start from their own caches, the new node
+    # from a peer's.
+    ready = [(e["time"] > join["fault_at"], e["warm_from"]) for e in events if e["event"] == "compile_cache_ready"]
+    assert ready[0] == (False, "none") and {w for after, w in ready if not after} <= {"none", "local"}, ready
+    assert sorted(w for after, w in ready if after) == ["local", "local", "peer"], ready
     restarted = [e for e in events if e["event"] == "first_step_done" and e["restored_from"]]
     assert len(restarted) == 3 and all(e["cache_misses"] == 0 and e["cache_hits"] > 0 for e in restarted), restarted
 
