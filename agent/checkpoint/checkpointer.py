@@ -213,10 +213,10 @@ class Checkpointer:
         replicated = compat.replicated_patterns(app_state)
         if self._stager is None:
             live = {key: FixedState(state) for key, state in state_dicts.items()}
-            self._write_and_commit(step, live, replicated, group, started)
+            self._write_and_commit(step, live, replicated, group, started, self.step_s())
             return True
         staged = self._stager.stage(state_dicts)
-        future = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started)
+        future = self._writer.submit(self._write_and_commit, step, staged, replicated, group, started, self.step_s())
         self._in_flight = _InFlight(step, future)
         self.events.record("save_started", step=step, blocking_s=time.perf_counter() - started,
                            staged_bytes=self._stager.staged_bytes)
@@ -322,9 +322,10 @@ class Checkpointer:
         return self._group
 
     def _write_and_commit(self, step: int, state: dict[str, Any], replicated: list[str],
-                          group: dist.ProcessGroup | None, started: float) -> None:
+                          group: dist.ProcessGroup | None, started: float, step_s: float | None) -> None:
         """Write, make durable and commit one snapshot on every rank of ``group``; then retention.
-        Raises CheckpointError, the same on every rank, when any rank failed."""
+        Raises CheckpointError, the same on every rank, when any rank failed. ``step_s``: the
+        steady step time for the commit notice, taken on the training thread (which records it)."""
         save = Commit(step, partial_dir(self.root, step, self.round), snapshot_dir(self.root, step), self.round)
         if rank(group) == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -341,7 +342,7 @@ class Checkpointer:
             raise CheckpointError(f"{save.final}: saving step {step} failed ({error}); the partial snapshot was "
                                   f"removed and {self.latest() or 'no snapshot'} stays the latest committed one")
         if self.commit_notice and (failed := write_notice(self.commit_notice, step=step, tier="storage",
-                                                          step_s=self.step_s(), interval_steps=self._commit_interval())):
+                                                          step_s=step_s, interval_steps=self._commit_interval())):
             self.events.record("commit_notice_failed", step=step, error=failed)  # the save is committed all the same
         if rank(group) == 0:
             prune(self.root, self.keep, protected=(save.final, self._restored_from))
