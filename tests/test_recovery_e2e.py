@@ -143,7 +143,7 @@ def test_failures_during_a_save_and_during_a_restore(tmp_path):
     # Every restore picked a committed snapshot (never the one being written when its node died).
     # The directory is the record: rank 0 renames a snapshot into place once every rank wrote its
     # share, and a worker stopped right after that rename never records its save_committed event.
-    committed = {step: path for step, path in committed_snapshots(tmp_path / "checkpoints")}
+    committed = dict(committed_snapshots(tmp_path / "checkpoints"))
     assert {e["step"] for e in events if e["event"] == "save_committed"} <= set(committed)
     assert {e["step"] for e in events if e["event"] == "restore_done"} <= set(committed)
     for path in committed.values():
