@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from agent.checkpoint import Checkpointer, CheckpointError
-    from agent.elastic_sampler import ElasticSampler
+    from agent.elastic_sampler import ElasticSampler, batches_across_epochs
     from agent.errors import RestoreError
     from agent.restore.dcp_reader import FastStorageReader
     from agent.restore.engine import RestoreStats
@@ -39,10 +39,11 @@ _HOMES = {
     "RoundEnded": "agent.resilient",
     "run_resilient": "agent.resilient",
     "WorkerContext": "agent.worker",
+    "batches_across_epochs": "agent.elastic_sampler",
 }
 
 __all__ = ["CheckpointError", "Checkpointer", "ElasticSampler", "FastStorageReader", "RestoreError", "RestoreStats",
-           "Round", "RoundEnded", "WorkerContext", "restore", "run_resilient"]
+           "Round", "RoundEnded", "WorkerContext", "batches_across_epochs", "restore", "run_resilient"]
 
 
 def restore(path: str | Path, app_state: Mapping[str, Any], **options: Any) -> RestoreStats:

@@ -10,11 +10,13 @@ size, each optimizer step sees exactly the samples it would have seen without th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import Sampler
+
+T = TypeVar("T")
 
 
 class ElasticSampler(Sampler[int]):
@@ -127,3 +129,16 @@ class ElasticSampler(Sampler[int]):
                 raise ValueError(f"ElasticSampler state has {key}={state[key]!r} but this sampler {getattr(self, key)!r}: "
                                  "the resumed run would see another order of samples; construct it the same way")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+def batches_across_epochs(loader: Iterable[T]) -> Iterator[T]:
+    """``loader``'s batches without end: iterated again each time an epoch ends, when its
+    ElasticSampler (advanced after every step) has moved on to the next epoch's order. Iterated
+    first at the first ``next``, so create it after a restore has set the sampler's position."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the loader yields no batch: an ElasticSampler's dataset must hold at least one sample")

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import shutil
@@ -81,6 +82,8 @@ from agent.warm_workers import (
 )
 
 JOB_SUCCEEDED_KEY = "torchrevive/job_succeeded"
+
+logger = logging.getLogger(__name__)
 
 
 class RecoveryAgent(LocalElasticAgent):
@@ -240,8 +243,8 @@ class RecoveryAgent(LocalElasticAgent):
             if isinstance(action, ConfirmLoss):
                 action = self._machine.loss_confirmed(self._loss_behind_failure(), now=time.time())
             if isinstance(action, Finish):
-                if action.announce:  # tell standby nodes the job is over: they join the exit barrier
-                    self._worker_group.store.set(JOB_SUCCEEDED_KEY, "1")
+                if action.announce:
+                    self._announce_success()
                 self._exit_barrier()
                 return result
             if isinstance(action, Fail):
@@ -252,6 +255,17 @@ class RecoveryAgent(LocalElasticAgent):
                 self._recover(action)
             elif state == WorkerState.HEALTHY:
                 self._share_compile_cache()
+
+    def _announce_success(self) -> None:
+        """Tell standby nodes the job is over: they join the exit barrier. The workers succeeded
+        whatever the store answers: one it cannot reach (an etcd that is not back yet) is an
+        event, never a failure of the job."""
+        try:
+            self._worker_group.store.set(JOB_SUCCEEDED_KEY, "1")
+        except (RendezvousError, dist.DistError) as exc:
+            self.events.record("success_unannounced", problem=f"{type(exc).__name__}: {exc}")
+            logger.warning("the job succeeded, but the rendezvous store could not record it (%s: %s): standby "
+                           "nodes were not told", type(exc).__name__, exc)
 
     def _share_compile_cache(self) -> None:
         """(The round's leader, with ``compile.share``.) After each storage commit its workers
@@ -446,7 +460,10 @@ class RecoveryAgent(LocalElasticAgent):
                         w.global_rank: self._in_process_failure(w, self._regroup_failed)
                         for w in worker_group.workers if w.local_rank in late})
             return result
-        finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
+        try:
+            finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
+        except (RendezvousError, dist.DistError):  # unreachable for now: the membership watch logs the outage
+            finished = False
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

@@ -136,19 +136,13 @@ def main() -> None:
         elif ctx.rank == 0:
             print(f"resumed from step {start}", flush=True)
 
-        batches = iter(loader)
+        batches = agent.batches_across_epochs(loader)
         for step in range(start, args.steps):
             if step == args.crash_at_step and ctx.rank == 0 and first_crash(ctx.run_id, step):
                 raise RuntimeError(f"injected failure at step {step} (--crash-at-step)")
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros((), device=device)
-            step_batches = []
-            for _ in range(accum):  # the rank's micro-batches of this step's global batch
-                batch = next(batches, None)
-                if batch is None:  # the epoch ended: the sampler has moved on to the next one
-                    batches = iter(loader)
-                    batch = next(batches)
-                step_batches.append(batch)
+            step_batches = [next(batches) for _ in range(accum)]  # the rank's share of this step's global batch
             if args.log_samples:  # before the step's collectives: a rank killed in them has logged its share
                 ids = [i for _, _, sample_ids in step_batches for i in sample_ids.tolist()]
                 with open(args.log_samples, "a") as f:

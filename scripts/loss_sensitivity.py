@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from agent import ElasticSampler
+from agent import ElasticSampler, batches_across_epochs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mlp import build_model, synthetic_dataset  # noqa: E402
@@ -54,14 +54,10 @@ def main() -> None:
     sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH, seed=0,
                              rank=0, world_size=1)
     loader = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
-    batches = iter(loader)
+    batches = batches_across_epochs(loader)
     differences: list[tuple[int, float]] = []
     for step in range(1, args.steps + 1):
-        batch = next(batches, None)
-        if batch is None:  # the epoch ended: the sampler has moved on to the next one
-            batches = iter(loader)
-            batch = next(batches)
-        x, y, _ = batch
+        x, y, _ = next(batches)
         losses = []
         for index, (model, optimizer) in enumerate(runs):
             optimizer.zero_grad(set_to_none=True)

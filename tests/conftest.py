@@ -38,6 +38,7 @@ SLOW = frozenset({
     "test_etcd3.py::test_losing_the_first_node_a_freeze_and_a_join_on_etcd3",
     "test_etcd3.py::test_an_etcd_restart_during_training_changes_nothing",
     "test_etcd3.py::test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone",
+    "test_etcd3.py::test_a_job_whose_workers_succeed_while_etcd_is_frozen_ends_successfully",
     "test_etcd3.py::test_workers_get_neither_the_password_nor_the_protobuf_switch",
     # Several ranks on gloo: saves, restores and reshards of real process groups.
     "test_checkpoint.py", "test_dcp_reader.py", "test_in_process_parts.py", "test_integrity.py", "test_quarantine.py",

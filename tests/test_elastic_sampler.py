@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from agent.elastic_sampler import ElasticSampler
+from agent.elastic_sampler import ElasticSampler, batches_across_epochs
 
 MICRO = 2
 
@@ -89,3 +89,24 @@ def test_with_a_multi_worker_dataloader():
     order = sampler.order(0).tolist()
     expected = [i for step in range(5) for k in range(2) for i in order[step * 8 + (k * 2 + 1) * 2: step * 8 + (k * 2 + 1) * 2 + 2]]
     assert seen == expected and len(seen) == len(sampler) == 20
+
+
+def test_batches_across_epochs_follow_the_sampler_into_each_next_epoch_from_a_restored_position():
+    # 5 samples, 2 a step: 3 steps an epoch (the last completed from the epoch's start). The batches
+    # are made before the restore that sets the position: they are read from it, not from step 0.
+    sampler = ElasticSampler(5, global_batch_size=2, micro_batch_size=2, rank=0, world_size=1, seed=1)
+    batches = batches_across_epochs(DataLoader(TensorDataset(torch.arange(5)), batch_size=2, sampler=sampler))
+    sampler.load_state_dict({**sampler.state_dict(), "consumed": 2})
+    seen = []
+    for _ in range(7):
+        (batch,) = next(batches)
+        seen.append(batch.tolist())
+        sampler.advance()
+    orders = [sampler.order(epoch).tolist() for epoch in range(3)]
+    assert seen == [orders[0][2:4], orders[0][4:6], *(orders[e][i:i + 2] for e in (1, 2) for i in (0, 2, 4))][:7]
+    assert sampler.epoch == 2 and orders[0] != orders[1]
+
+
+def test_batches_across_epochs_of_an_empty_loader_fail_at_once():
+    with pytest.raises(ValueError, match="yields no batch"):
+        next(batches_across_epochs([]))

@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -133,6 +134,38 @@ def test_a_lease_unreachable_for_its_ttl_is_given_up_and_a_new_one_granted_when_
     assert backend.set_state(b"again", token)[2]  # written on a newly granted lease...
     time.sleep(5)  # ...which is kept alive: 2.5 TTLs later the key is still there
     assert backend.get_state()[0] == b"again"
+
+
+def test_a_closed_clients_watch_thread_ends_without_a_traceback(etcd):
+    # etcd3's watch thread can only end by its channel closing, with a ValueError. Outside pytest
+    # (which catches thread exceptions itself): a client with a watch fails over when etcd stops.
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        from agent.rendezvous.etcd3_client import Etcd3Connection, Etcd3Options
+        connection = Etcd3Connection(Etcd3Options(endpoints=(("127.0.0.1", {etcd.client_port}),), read_timeout=1.0))
+        connection.call(lambda c: c.watch("key"))
+        watchers = lambda: [t for t in threading.enumerate() if t.name.startswith("etcd3_watch_")]
+        print(len(watchers()), flush=True)
+        sys.stdin.readline()  # etcd is stopped now
+        try:
+            connection.call(lambda c: c.get("key"))
+        except Exception as exc:
+            print(type(exc).__name__, flush=True)
+        deadline = time.monotonic() + 10
+        while watchers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        print(len(watchers()), flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=worker_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "1"  # the client's watch thread runs
+        etcd.stop()
+        output, errors = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    assert output.split() == ["RendezvousConnectionError", "0"], (output, errors)  # failed over: the thread ended
+    assert "Traceback" not in errors and "Channel closed" not in errors, errors
 
 
 def test_store(etcd):
@@ -360,10 +393,7 @@ def test_losing_the_cluster_member_in_use_under_threads_sharing_a_connection(tmp
 def test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone(etcd, tmp_path):
     # read_timeout 2 s; etcd down for 8 s. The agents' reads of the rendezvous fail (logged) while
     # the workers keep all-reducing; after etcd is back the job ends normally, never restarted.
-    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd3", "--rdzv-endpoint", etcd.endpoint,
-            "--rdzv-id", "outage", "--rdzv-conf", "read_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
-            "join_timeout=60,last_call_timeout=1", "--monitor-interval", "0.2", STEADY_WORKER, str(tmp_path)]
-    agents = [start_torchrevive(["run", *args]) for _ in range(2)]
+    agents = two_steady_agents(etcd, "outage", tmp_path)
     pids = []
     try:
         pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
@@ -372,8 +402,11 @@ def test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone(etcd, tmp
         time.sleep(8.0)  # the outage itself, four read_timeouts long
         progress = [float(line.split()[1]) for line in (tmp_path / "progress0").read_text().splitlines()]
         etcd.start()
+        # Back means serving: a restarted etcd listens before it has elected itself, and a store that
+        # stays unreachable for read_timeout at the job's end is another test's (below).
+        etcd.wait_serving()
         (tmp_path / "stop").touch()
-        outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+        outputs = agents_output(agents, timeout=120)
     finally:
         for agent in agents:
             agent.kill()
@@ -382,6 +415,55 @@ def test_an_etcd_outage_longer_than_read_timeout_leaves_training_alone(etcd, tmp
     assert [t for t in progress if t > down + 6], "the workers trained through the outage"
     assert all("the rendezvous state is unreachable" in out for out in outputs)
     assert [json.loads((tmp_path / f"ready{r}").read_text())["restart"] for r in range(2)] == ["0", "0"]
+
+
+@only_etcd_3_4
+def test_a_job_whose_workers_succeed_while_etcd_is_frozen_ends_successfully(etcd, tmp_path):
+    # etcd stops answering (SIGSTOP: its port stays open) just as the workers finish. Each agent's
+    # last writes (telling standby nodes, the exit barrier, closing the rendezvous) fail after
+    # read_timeout, and each says so; the job still succeeded, and both agents exit 0.
+    agents = two_steady_agents(etcd, "frozen", tmp_path)
+    pids = []
+    try:
+        pids = [w["pid"] for w in workers_ready(tmp_path, 2)]
+        etcd.freeze()
+        try:
+            (tmp_path / "stop").touch()
+            outputs = agents_output(agents, timeout=150)
+        finally:
+            etcd.thaw()
+    finally:
+        for agent in agents:
+            agent.kill()
+        kill_leftovers(pids)
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert all("the job succeeded, but the rendezvous store could not record it" in out for out in outputs)
+
+
+def two_steady_agents(etcd: EtcdServer, run_id: str, out: Path) -> list[subprocess.Popen]:
+    """Two agents of a steady job on ``etcd``, with a read_timeout of 2 s and a 3 s heartbeat timeout."""
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd3", "--rdzv-endpoint", etcd.endpoint,
+            "--rdzv-id", run_id, "--rdzv-conf", "read_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "join_timeout=60,last_call_timeout=1", "--monitor-interval", "0.2", STEADY_WORKER, str(out)]
+    return [start_torchrevive(["run", *args]) for _ in range(2)]
+
+
+def agents_output(agents: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each agent's output once all have exited; those still running after ``timeout`` are killed,
+    and the failure shows every agent's output."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for agent in agents:
+        try:
+            outputs.append(agent.communicate(timeout=max(0.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            running = [other.pid for other in agents if other.poll() is None]
+            for other in agents:
+                other.kill()
+            tails = [other.communicate()[0][-4000:] for other in agents]
+            raise AssertionError(f"agents {running} still running after {timeout:.0f} s; the output of each:\n"
+                                 + "\n-----\n".join(tails)) from None
+    return outputs
 
 
 def test_workers_get_neither_the_password_nor_the_protobuf_switch(tmp_path):

@@ -28,6 +28,11 @@ _STALE_TOKEN_DETAILS = ("invalid auth token", "revision of auth store is old")
 
 Problem = Literal["unreachable", "stale_token"]
 
+_WATCH_THREAD_PREFIX = "etcd3_watch_"
+"""etcd3's name for a client's watch thread: ``etcd3_watch_<id of its Watcher>``."""
+_quiet_watch_ends_lock = threading.Lock()
+_quiet_watch_ends_installed = False
+
 
 def import_etcd3() -> Any:
     """Import the ``etcd3`` package.
@@ -64,6 +69,30 @@ def import_etcd3() -> Any:
     return etcd3
 
 
+def quiet_watch_thread_ends() -> None:
+    """Keep the end of a closed client's watch thread out of the log (once per process).
+
+    An etcd3 client's watch thread re-opens its stream for as long as the client lives; the only
+    way to end it is to close the client's channel, and the thread then ends with
+    ``ValueError: Cannot invoke RPC: Channel closed!``, whose traceback would be printed at every
+    failover. That end alone is silenced; any other exception goes to the previous hook.
+    """
+    global _quiet_watch_ends_installed
+    with _quiet_watch_ends_lock:
+        if _quiet_watch_ends_installed:
+            return
+        _quiet_watch_ends_installed = True
+        previous = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if args.thread is not None and args.thread.name.startswith(_WATCH_THREAD_PREFIX) \
+                    and isinstance(args.exc_value, ValueError) and "Channel closed" in str(args.exc_value):
+                return
+            previous(args)
+
+        threading.excepthook = hook
+
+
 @dataclass(frozen=True)
 class Etcd3Options:
     """How to reach etcd: endpoints (host, port), TLS files, credentials, timeouts."""
@@ -95,6 +124,7 @@ class Etcd3Connection:
     def __init__(self, options: Etcd3Options) -> None:
         self.options = options
         self._etcd3 = import_etcd3()
+        quiet_watch_thread_ends()
         import grpc  # installed with etcd3
 
         self._grpc = grpc

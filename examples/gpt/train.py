@@ -240,18 +240,14 @@ def main() -> None:
             print(f"resumed from step {start}", flush=True)
 
         tokens_per_step = args.global_batch_size * args.seq_len
-        batches = iter(loader)
+        batches = agent.batches_across_epochs(loader)
         window_start, window_steps = time.perf_counter(), 0
         for step in range(start, args.steps):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
             total = torch.zeros((), device=device)
             for _ in range(accum):
-                batch = next(batches, None)
-                if batch is None:  # the epoch ended: the sampler has moved on to the next one
-                    batches = iter(loader)
-                    batch = next(batches)
-                inputs, targets, _ = batch
+                inputs, targets, _ = next(batches)
                 logits = model(inputs.to(device))
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / accum
                 loss.backward()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import signal
 import ssl
 import subprocess
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,15 +134,42 @@ class EtcdServer:
             self._proc.wait(timeout=30)
         self._proc = None
 
+    def freeze(self) -> None:
+        """SIGSTOP: the member keeps its connections and its port but answers nothing."""
+        assert self._proc is not None, "freeze a running member"
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen member answers again."""
+        assert self._proc is not None, "thaw a frozen member"
+        self._proc.send_signal(signal.SIGCONT)
+
+    def wait_serving(self, timeout: float = 30) -> None:
+        """Wait until the member serves requests: a restarted etcd listens before it has a leader."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._get("/health", timeout=1).get("health") == "true":
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd {self.name} at {self.endpoint} not serving within {timeout:.0f} s; see "
+                                   f"{self.data_dir.with_suffix('.log')}")
+            time.sleep(0.1)
+
     def version(self) -> str:
         """The version the running server reports at its ``/version`` endpoint, e.g. "3.5.1"."""
+        return self._get("/version")["etcdserver"]
+
+    def _get(self, path: str, timeout: float = 5) -> dict:
         context = None
         if self.tls is not None:
             context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
             context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
-        url = f"{'https' if self.tls else 'http'}://{self.endpoint}/version"
-        with urllib.request.urlopen(url, timeout=5, context=context) as answer:
-            return json.load(answer)["etcdserver"]
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}{path}"
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as answer:
+            return json.load(answer)
 
     def member_id(self) -> str:
         """This member's id as etcd's JSON gateway writes it (a decimal string)."""
