@@ -460,10 +460,7 @@ class RecoveryAgent(LocalElasticAgent):
                         w.global_rank: self._in_process_failure(w, self._regroup_failed)
                         for w in worker_group.workers if w.local_rank in late})
             return result
-        try:
-            finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
-        except (RendezvousError, dist.DistError):  # unreachable for now: the membership watch logs the outage
-            finished = False
+        finished = worker_group.store.check([JOB_SUCCEEDED_KEY])
         return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

@@ -173,7 +173,13 @@ def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_pa
                               workload="gpt", gpt_size="tiny", compile="off", in_process=True)
     (tmp_path / "faulty").mkdir()
     kill, join = run_scenarios(args, tmp_path / "faulty")
-    assert [(run["world_size_after"], run["path"]) for run in (kill, join)] == [(3, "in_process"), (4, "in_process")]
+    assert [run["world_size_after"] for run in (kill, join)] == [3, 4]
+    # In-process, or for one of the two the designed fallback of a worker late to leave its round (it
+    # writes its stacks to its log): once in five clean-clone runs on 2026-12-05. The losses are
+    # checked either way.
+    assert [run["path"] for run in (kill, join)].count("in_process") >= 1, (kill, join)
+    for run in (kill, join):
+        assert run["path"] == "in_process" or "elastic.in_process_deadline" in (run["fallback_reason"] or ""), run
     ours = losses(read_events(tmp_path / "faulty" / "marks.jsonl"))  # a step run again: its last loss
     assert max(ours) > join["restored_step"] > kill["restored_step"] > 0
     # The harness's job runs for 1e6 steps: the reference keeps its learning-rate schedule.
