@@ -79,15 +79,6 @@ def as_memory_snapshot_of(snapshot: Path, run: str) -> None:
     (snapshot / COMMIT_MARKER).write_text(json.dumps({**marker, "tier": "memory", "run": run}))
 
 
-def start_three_nodes(cluster: Cluster) -> None:
-    """Start 3 nodes and wait for a round of all three: the first round may form with two (the third
-    agent a moment late, as in a clean-clone run of 2026-12-06), and a fault then strikes a node that
-    is not yet in the job."""
-    cluster.start_all(3)
-    cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == 3], 120,
-                     "a round of the 3 nodes")
-
-
 def committed_in_memory_after_storage(events: list[dict]) -> list[dict]:
     storage = max((e["step"] for e in events if e["event"] == "save_committed"), default=None)
     return [e for e in events if e["event"] == "memory_save_committed" and storage is not None and e["step"] > storage + 2]
@@ -99,7 +90,8 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
     args = memory_args(steps=STEPS, train_args=["--log-samples", str(faulty / "samples.jsonl")])
     cluster = Cluster(args, faulty)
     try:
-        start_three_nodes(cluster)
+        cluster.start_all(3)
+        cluster.wait_for_round_of(3, 120)  # the first round may form with two
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
         lost_at = time.time()
         cluster.kill(2)
@@ -169,7 +161,8 @@ def test_two_buddies_lost_together_restore_from_storage(tmp_path):
     # Node 1's files live on node 1 and its buddy node 2: with both gone, no memory snapshot is whole.
     cluster = Cluster(memory_args(), tmp_path)
     try:
-        start_three_nodes(cluster)
+        cluster.start_all(3)
+        cluster.wait_for_round_of(3, 120)  # the first round may form with two
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
         lost_at = time.time()
         cluster.kill(1)
@@ -187,7 +180,8 @@ def test_two_buddies_lost_together_restore_from_storage(tmp_path):
 def test_a_damaged_memory_file_falls_back_to_storage(tmp_path):
     cluster = Cluster(memory_args(), tmp_path)
     try:
-        start_three_nodes(cluster)
+        cluster.start_all(3)
+        cluster.wait_for_round_of(3, 120)  # the first round may form with two
         cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
         workers = [p for i in (0, 1, 2) for p in cluster.pids(i) if p != cluster.nodes[i].pid]
         for pid in workers:  # training pauses: no newer memory snapshot replaces the damaged one
@@ -236,7 +230,8 @@ def test_a_save_that_is_not_committed_leaves_no_ram_behind(tmp_path):
 def test_a_full_tmpfs_warns_and_the_storage_tier_goes_on(tmp_path):
     cluster = Cluster(memory_args(memory_mb=1, state_mb=8), tmp_path)
     try:
-        start_three_nodes(cluster)
+        cluster.start_all(3)
+        cluster.wait_for_round_of(3, 120)  # the first round may form with two
         events = cluster.wait_for(lambda ev: len([e for e in ev if e["event"] == "save_committed"]) >= 2 and ev, 120,
                                   "two storage commits")
     finally:

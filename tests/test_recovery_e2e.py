@@ -90,10 +90,7 @@ def train_through(change: str, work, width: int = WIDTH, **overrides) -> float:
     try:
         for index in range(first):
             cluster.start(index)
-        # All in one round first: on a loaded machine a node slower to start joins a round later,
-        # and the change would hit a job that never had it.
-        formed = cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done"
-                                              and len(e["nodes"]) == first], 120, f"a round of all {first} nodes")
+        formed = cluster.wait_for_round_of(first, 120)  # all in one round before the change
         cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "save_committed" and e["time"] > formed[0]["time"]],
                          120, "a committed snapshot")
         changed_at = time.time()

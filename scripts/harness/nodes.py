@@ -68,6 +68,12 @@ class Nodes:
             self.start(index)
             time.sleep(0.5 if index == 0 else 0.1)
 
+    def wait_for_round_of(self, count: int, timeout: float) -> list[dict]:
+        """Wait for a round of ``count`` nodes (its rendezvous_done events): a node slower to start
+        than the first round's last call joins a round later, and a fault before would hit a smaller job."""
+        return self.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == count],
+                             timeout, f"a round of all {count} nodes")
+
     def signal(self, index: int, sig: signal.Signals) -> None:
         """Signal a node: its agent and every worker (torch starts workers in sessions of their own)."""
         _signal_tree(self.nodes[index].pid, sig)

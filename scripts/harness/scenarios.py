@@ -24,10 +24,7 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
     results = []
     try:
         cluster.start_all(initial)
-        # Every node started is in the round before the first fault: a node slower to start than
-        # the first round's last call joins a round later, and the fault would hit a smaller job.
-        cluster.wait_for(lambda ev: [e for e in ev if e["event"] == "rendezvous_done" and len(e["nodes"]) == initial],
-                         args.timeout, f"a round of all {initial} nodes")
+        cluster.wait_for_round_of(initial, args.timeout)  # every node started is in the job before the first fault
         for scenario in scenarios:
             since = time.time()
             cluster.wait_for(lambda ev, t=since: [e for e in ev if e["event"] == "save_committed" and e["time"] > t],
