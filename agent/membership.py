@@ -70,6 +70,11 @@ class Change:
     """Participants that left the round by themselves (their agents restart): their workers are
     gone, so the local ones cannot train on."""
 
+    @property
+    def only_joins(self) -> bool:
+        """Nodes wait to join, and every participant is still in the round: the workers can train on."""
+        return self.cause == "node_joined" and not self.lost and not self.left
+
 
 class MembershipWatch:
     """Compares the rendezvous state with the round this agent's workers run in.

@@ -314,7 +314,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._prefetch_stop.set()
         self._pull_ahead()
         started = time.monotonic()
-        fallback = self._leave_in_process() if self._regroup_dir is not None else None
+        fallback = self._leave_in_process(finish_step=change.only_joins) if self._regroup_dir is not None else None
         # In-process, the workers leave while the rendezvous runs: the next round is handed to them
         # once they did (_start_workers), and this node is in that round even when one is late.
         self._regroup_pending = fallback == ""
@@ -342,9 +342,11 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory.pull_ahead(group.store, self._round, group.group_rank, self._nodes_used,
                                 [w.global_rank for w in group.workers], group.workers[0].world_size, pulled)
 
-    def _leave_in_process(self) -> str:
-        """Ask this node's workers to leave the round: "" when asked, else why the round takes the
-        restart path here."""
+    def _leave_in_process(self, finish_step: bool) -> str:
+        """Ask this node's workers to leave the round (with ``finish_step``, at the end of the step
+        in flight if it ends within half of ``elastic.in_process_deadline``: no peer was lost, and
+        a step cut short is work thrown away): "" when asked, else why the round takes the restart
+        path here."""
         group, directory = self._worker_group, self._regroup_dir
         assert directory is not None and self._round is not None, "in-process rounds need a rendezvous round"
         if self._standby or not group.workers:
@@ -354,7 +356,8 @@ class RecoveryAgent(LocalElasticAgent):
         if self._regroup_failed is not None:
             failed, self._regroup_failed = self._regroup_failed, None
             return failed
-        regroup.request_leave(directory, self._round)
+        regroup.request_leave(directory, self._round,
+                              finish_step_s=self._job.elastic.in_process_deadline / 2 if finish_step else 0.0)
         self._leaving = (self._round, time.monotonic())
         return ""
 
@@ -368,9 +371,11 @@ class RecoveryAgent(LocalElasticAgent):
         (round, asked), self._leaving = self._leaving, None
         deadline = asked + self._job.elastic.in_process_deadline
         while True:
-            late = self._workers_yet_to_leave(round)
+            left = self._workers_left(round)
+            late = [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
             if not late:
-                self.events.record("workers_stopped", seconds=time.monotonic() - asked, path="in_process")
+                self.events.record("workers_stopped", seconds=time.monotonic() - asked, path="in_process",
+                                   reasons=sorted({said.reason for said in left.values()}))
                 return ""
             if self._pcontext.wait(0) is not None:
                 return "a worker process ended while it left the round"
@@ -402,10 +407,6 @@ class RecoveryAgent(LocalElasticAgent):
         if round is None:  # no rendezvous round: no worker can have left one
             return {}
         return regroup.left_round(self._regroup_dir, [w.local_rank for w in self._worker_group.workers], round)
-
-    def _workers_yet_to_leave(self, round: int) -> list[int]:
-        left = self._workers_left(round)
-        return [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
 
     def _workers_late_to_regroup(self) -> list[int]:
         """The local ranks that did not take the round handed to them in time (their stacks then

@@ -172,7 +172,7 @@ class RecoveryMachine:
             announce = self.phase == Phase.HEALTHY
             self.phase = Phase.SUCCEEDED
             return Finish(announce=announce)
-        if change is not None and not (self._deferred is not None and _only_joins(change)):
+        if change is not None and not (self._deferred is not None and change.only_joins):
             due = self._commit_due(change, now, commit) if workers == WorkerState.HEALTHY else None
             if due is None:
                 return self._recover(change)
@@ -209,7 +209,7 @@ class RecoveryMachine:
         """When the commit a join can wait for is due; None when it cannot wait: this node stands
         by, somebody was lost or left, or the notice says none is due within ``join_wait_s``."""
         due = commit.next_due if commit is not None else None
-        if (self.phase == Phase.HEALTHY and _only_joins(change) and self.join_wait_s > 0
+        if (self.phase == Phase.HEALTHY and change.only_joins and self.join_wait_s > 0
                 and due is not None and due <= now + self.join_wait_s):
             return due
         return None
@@ -235,8 +235,3 @@ class RecoveryMachine:
         if self.phase not in phases:
             raise RuntimeError(f"the recovery agent is {self.phase.value}, not "
                                f"{' or '.join(p.value for p in phases)}: a bug in the agent's monitor loop")
-
-
-def _only_joins(change: Change) -> bool:
-    """Nodes wait to join, and every participant is still in the round: the workers train on."""
-    return change.cause == "node_joined" and not change.lost and not change.left

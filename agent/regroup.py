@@ -3,7 +3,9 @@
 (``TORCHREVIVE_REGROUP_DIR``), each replaced atomically (not durably: they are messages between
 live processes):
 
-* ``leave.json`` (agent -> workers): ``{"round": R}``, every round up to R must end now;
+* ``leave.json`` (agent -> workers): ``{"round": R, "finish_step_s": S}``, every round up to R must
+  end: now, or, when S > 0 (nobody was lost: the step in flight can complete), at the end of the
+  step in flight if that comes within S seconds;
 * ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid"}``, the worker
   left round R (asked to, or its collective failed) holding the state of ``step``, and waits;
 * ``handover-<local rank>.json`` (agent -> worker): ``{"round", "env"}``, the next round's
@@ -44,15 +46,29 @@ class Left:
     pid: int
 
 
-def request_leave(directory: str | os.PathLike[str], round: int) -> None:
-    """Ask the node's workers to end every round up to ``round``."""
-    write_file(Path(directory) / LEAVE, json.dumps({"round": round}), durable=False)
+@dataclass(frozen=True)
+class LeaveRequest:
+    """The agent's request that every round up to ``round`` end, at once or, with
+    ``finish_step_s`` > 0, at the end of the step in flight if it ends within that many seconds."""
+
+    round: int
+    finish_step_s: float = 0.0
 
 
-def leave_requested(directory: str | os.PathLike[str]) -> int | None:
-    """The latest round the agent asked to end, or None."""
+def request_leave(directory: str | os.PathLike[str], round: int, finish_step_s: float = 0.0) -> None:
+    """Ask the node's workers to end every round up to ``round`` (see :class:`LeaveRequest`)."""
+    write_file(Path(directory) / LEAVE, json.dumps({"round": round, "finish_step_s": finish_step_s}), durable=False)
+
+
+def leave_requested(directory: str | os.PathLike[str]) -> LeaveRequest | None:
+    """The agent's latest request to end rounds, or None."""
     raw = _read(Path(directory) / LEAVE)
-    return raw["round"] if isinstance(raw, dict) and isinstance(raw.get("round"), int) else None
+    if not isinstance(raw, dict) or not isinstance(raw.get("round"), int):
+        return None
+    finish = raw.get("finish_step_s", 0.0)
+    if isinstance(finish, bool) or not isinstance(finish, int | float) or not 0 <= finish < float("inf"):
+        return None
+    return LeaveRequest(round=raw["round"], finish_step_s=float(finish))
 
 
 def post_left(directory: str | os.PathLike[str], local_rank: int, left: Left) -> None:

@@ -19,8 +19,9 @@ once per round, across membership changes, without a restart (``elastic.in_proce
     agent.run_resilient(train)
 
 Each round :func:`run_resilient` joins the default process group from the round's environment and
-calls ``train``. When the agent asks the round to end (a node was lost, hung or joined), or a
-collective fails because a peer is gone, the round's TCP connections are cut
+calls ``train``. When the agent asks the round to end (a node was lost, hung or joined: then the
+step in flight may finish first), or a collective fails because a peer is gone, the round's TCP
+connections are cut
 (:mod:`agent.round_sockets`: peers blocked on them error out at once), the worker tells its agent
 it left and the step it holds, waits for the next round's environment, and calls ``train`` again.
 Any other exception ends the process, as without in-process recovery: the agent restarts it.
@@ -80,6 +81,9 @@ class Round:
         self._leave = leave
         self._healed = False
         self._graphs_at_start = torch_private.graphs_compiled()
+        self._last_step_at: float | None = None
+        self._step_s: float | None = None
+        """The time between this round's last two ``step_done`` calls."""
 
     @property
     def leave_requested(self) -> bool:
@@ -115,8 +119,21 @@ class Round:
             self.events.record("first_step_done", step=step, restored_from=None, path="in_process",
                                compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_start)
         self.held_step = step
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_s = now - self._last_step_at
+        self._last_step_at = now
         if self._leave.is_set():
-            raise RoundEnded(f"round {self.context.round} ended by the agent")
+            raise RoundEnded(f"round {self.context.round} ended by the agent at the end of step {step}")
+
+    def time_to_finish_step(self, allowed_s: float) -> float:
+        """How long to let the step in flight run to its end, when the agent allows up to
+        ``allowed_s``: ``allowed_s`` when the step, timed like the round's last one, ends within it;
+        0 (leave at once) when it would end later, or no step of this round was timed yet."""
+        if allowed_s <= 0 or self._step_s is None or self._last_step_at is None:
+            return 0.0
+        remaining = self._step_s - (time.monotonic() - self._last_step_at)
+        return allowed_s if remaining <= allowed_s else 0.0
 
 
 def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
@@ -148,9 +165,9 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
         # Watching from before the group forms: a peer lost meanwhile leaves this worker waiting
         # in the group's rendezvous, and cutting the store connection frees it.
-        watcher = _LeaveWatcher(directory, context.round, leave, connections, backend) if directory else None
+        watcher = _LeaveWatcher(directory, round, leave, connections, backend) if directory else None
         try:
-            if directory is not None and _asked_to_leave(directory, context.round):
+            if directory is not None and _leave_request(directory, context.round) is not None:
                 leave.set()  # asked before the group formed (a join during the start): nothing to join
                 raise RoundEnded(f"round {context.round} ended before its group formed")
             dist.init_process_group(backend, timeout=timeout or context.process_group_timeout)
@@ -158,7 +175,8 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         except Exception as exc:
             if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):
                 raise
-            reason = "asked by the agent" if leave.is_set() else f"a collective failed: {exc}"
+            reason = (str(exc) if isinstance(exc, RoundEnded) else "asked by the agent") if leave.is_set() \
+                else f"a collective failed: {exc}"
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -204,35 +222,41 @@ def _rehearse(context: WorkerContext, warmup: Callable[[Round], None] | None, ba
 
 
 class _LeaveWatcher:
-    """Polls the agent's leave request; when it comes, flags the round and cuts its connections
-    (a training thread blocked in a collective errors out)."""
+    """Polls the agent's leave request; when it comes, flags the round (``step_done`` then ends
+    it) and cuts its connections (a training thread blocked in a collective errors out): at once,
+    or, when the agent allows the step in flight to finish (a join) and it ends in time, only if
+    the round did not end by then."""
 
-    def __init__(self, directory: str, round: int | None, leave: threading.Event, connections: RoundConnections,
+    def __init__(self, directory: str, round: Round, leave: threading.Event, connections: RoundConnections,
                  backend: str, poll_s: float = 0.02) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(directory, round, leave, connections, backend, poll_s),
                                         name="torchrevive-leave-watch", daemon=True)
         self._thread.start()
 
-    def _run(self, directory: str, round: int | None, leave: threading.Event, connections: RoundConnections,
+    def _run(self, directory: str, round: Round, leave: threading.Event, connections: RoundConnections,
              backend: str, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
-            if _asked_to_leave(directory, round):
-                leave.set()
-                if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
-                    torch_private.abort_process_group()
-                connections.cut(self._stop)  # the training thread may be sending
-                return
+            request = _leave_request(directory, round.context.round)
+            if request is None:
+                continue
+            leave.set()
+            if self._stop.wait(round.time_to_finish_step(request.finish_step_s)):
+                return  # the round ended at the step's end: run_resilient cuts its connections
+            if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
+                torch_private.abort_process_group()
+            connections.cut(self._stop)  # the training thread may be sending
+            return
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
 
-def _asked_to_leave(directory: str, round: int | None) -> bool:
-    """Whether the agent asked its workers to end ``round`` (or a later one)."""
+def _leave_request(directory: str, round: int | None) -> regroup.LeaveRequest | None:
+    """The agent's request to end ``round`` (or a later one), or None."""
     asked = regroup.leave_requested(directory)
-    return asked is not None and round is not None and asked >= round
+    return asked if asked is not None and round is not None and asked.round >= round else None
 
 
 def _collective_failed(exc: BaseException) -> bool:

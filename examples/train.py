@@ -152,16 +152,16 @@ def main() -> None:
                 loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)) / accum
                 loss.backward()
                 total += loss.detach()
+            dist.all_reduce(total)  # before the state changes: a collective that fails leaves the step undone
             optimizer.step()
             sampler.advance()
-            round.step_done(step + 1)
-            dist.all_reduce(total)
             if ctx.rank == 0:
                 loss_value = total.item() / ctx.world_size
                 print(f"step={step + 1} loss={loss_value:.6f} world_size={ctx.world_size}", flush=True)
                 if args.marks:
                     mark(args.marks, "first_step_done" if step == start else "step", step + 1,
                          world_size=ctx.world_size, samples=args.global_batch_size, loss=loss_value)
+            round.step_done(step + 1)  # the round may end here, at the step's end: the step is kept
             if ckpt:
                 ckpt.maybe_save(step + 1, app_state)
         if ckpt:

@@ -8,7 +8,8 @@ need one), the methods interleaved in a rotating order, median over the rounds.
 Writes {"size_bytes", "results": {M: {"blocking_s", "done_s", "durable_s", "first_blocking_s",
 "slowdown", ...}}, ...}
 for M in torchrevive (its defaults: writer threads at niceness 10, 2 writes in flight, tensors under
-4 MB batched), torchrevive_idle (the writer threads under SCHED_IDLE instead),
+4 MB batched), torchrevive_idle (the writer threads under SCHED_IDLE instead), torchrevive_nice19
+(at niceness 19), torchrevive_io1 (1 write in flight),
 torchrevive_slabs128 (torchsnapshot's own batching, of tensors under 128 MB: the earlier default),
 torchsnapshot_take,
 torchsnapshot_async_take, dcp_save, dcp_async_save.
@@ -45,7 +46,11 @@ import torch
 import torch.distributed as dist
 from harness.bench_state import WIDTH, build_state, dcp_state, machine, state_bytes
 
-FSYNCS = {"torchrevive": True, "torchrevive_idle": True, "torchrevive_slabs128": True, "torchsnapshot_take": False,
+TORCHREVIVE_VARIANTS: dict[str, dict[str, Any]] = {
+    "torchrevive": {}, "torchrevive_idle": {"writer_nice": "idle"}, "torchrevive_nice19": {"writer_nice": 19},
+    "torchrevive_io1": {"write_threads": 1}, "torchrevive_slabs128": {}}
+"""torchrevive's save with its defaults, and each variant's ``Checkpointer`` settings that differ."""
+FSYNCS = {**dict.fromkeys(TORCHREVIVE_VARIANTS, True), "torchsnapshot_take": False,
           "torchsnapshot_async_take": False, "dcp_save": True, "dcp_async_save": True}
 """Whether the method's "done" means on disk: DCP's FileSystemWriter fsyncs each file (its
 ``sync_files``, on by default); torchsnapshot's file-system plugin does not."""
@@ -74,11 +79,11 @@ def saver(method: str, root: Path, model: Any, optim: Any) -> Save:
     from agent.checkpoint.write import SLAB_THRESHOLD_ENV
 
     app = {"model": model, "optim": optim}
-    if method in ("torchrevive", "torchrevive_idle", "torchrevive_slabs128"):
+    if method in TORCHREVIVE_VARIANTS:
         # Old snapshots are removed outside the timing, as for the others.
         if method == "torchrevive_slabs128":  # the environment's threshold wins over ours
             os.environ[SLAB_THRESHOLD_ENV] = str(128 << 20)
-        ckpt = Checkpointer(root, keep=1_000, **({"writer_nice": "idle"} if method == "torchrevive_idle" else {}))
+        ckpt = Checkpointer(root, keep=1_000, **TORCHREVIVE_VARIANTS[method])
 
         def save(i: int) -> tuple[Callable[[], None], Callable[[], bool]]:
             ckpt.save(i, app)

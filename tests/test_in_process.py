@@ -49,10 +49,10 @@ JOIN_WIDTH = 1024
 
 
 def test_a_joining_node_heals_from_a_peer_and_the_job_trains_as_without_faults(tmp_path):
-    """2 -> 3 ranks in-process: the new node's worker receives the survivors' state (nothing from
-    storage), and the job sees the same samples per step and ends with the same model as one rank
-    trained without faults: the healed parameters, optimizer moments and data position are those
-    of the step the others held."""
+    """2 -> 3 ranks in-process: the survivors finish the step in flight (a join loses nobody), the
+    new node's worker receives their state (nothing from storage), and the job sees the same
+    samples per step and ends with the same model as one rank trained without faults: the healed
+    parameters, optimizer moments and data position are those of the step the others held."""
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     faulty.mkdir()
     # Wide enough that the job is still at its first 300 steps when the new node has started.
@@ -61,6 +61,10 @@ def test_a_joining_node_heals_from_a_peer_and_the_job_trains_as_without_faults(t
     healed = [e for e in events if e["event"] == "restore_done" and e["time"] > joined_at]
     assert healed and {e["source"] for e in healed} <= {"peer", "in_process"}, healed
     assert any(e["source"] == "peer" and e["bytes"] > 0 for e in healed), healed
+    # The first survivor to see the join ends its round at a step's end (its steps take far less
+    # than the time allowed); a peer already in its next step then fails in it and holds the same step.
+    left = [e for e in events if e["event"] == "workers_stopped" and e["time"] > joined_at and e["path"] == "in_process"]
+    assert any("at the end of step" in reason for e in left for reason in e["reasons"]), left
     assert max(e["world_size"] for e in read_events(faulty / "samples.jsonl")) == 3
     assert_trained_as_without_faults(faulty, reference, JOIN_WIDTH)
 

@@ -7,6 +7,9 @@ import os
 import select
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -23,16 +26,20 @@ from agent import regroup
 from agent.elastic_sampler import ElasticSampler
 from agent.epoll_registrations import Registration, fire_once_more, registrations
 from agent.errors import RestoreError
+from agent.events import EventLog
 from agent.heal import heal
-from agent.resilient import _leave_process_group
+from agent.resilient import Round, RoundEnded, _leave_process_group, _LeaveWatcher
 from agent.round_sockets import RoundConnections, open_sockets
+from agent.worker import WorkerContext
 from tests.distributed import run_ranks
 
 
 def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_as_absent(tmp_path):
     assert regroup.leave_requested(tmp_path) is None
     regroup.request_leave(tmp_path, 4)
-    assert regroup.leave_requested(tmp_path) == 4
+    assert regroup.leave_requested(tmp_path) == regroup.LeaveRequest(round=4, finish_step_s=0.0)
+    regroup.request_leave(tmp_path, 4, finish_step_s=2.5)
+    assert regroup.leave_requested(tmp_path) == regroup.LeaveRequest(round=4, finish_step_s=2.5)
     regroup.post_left(tmp_path, 1, regroup.Left(round=4, reason="asked by the agent", step=17, pid=123))
     assert regroup.read_left(tmp_path, 1) == regroup.Left(round=4, reason="asked by the agent", step=17, pid=123)
     assert regroup.read_left(tmp_path, 0) is None
@@ -41,6 +48,9 @@ def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_a
     assert regroup.read_handover(tmp_path, 1, after=5) is None  # not a later round than the worker's
     regroup.post_taken(tmp_path, 1, 5)
     assert regroup.took_round(tmp_path, [0, 1], 5) == {1} and regroup.took_round(tmp_path, [1], 4) == set()
+    for finish in ('"2"', "-1", "NaN", "Infinity", "true"):
+        (tmp_path / "leave.json").write_text(f'{{"round": 4, "finish_step_s": {finish}}}')
+        assert regroup.leave_requested(tmp_path) is None, finish
     for name, text in [("leave.json", '{"round": "4"}'), ("left-1.json", '{"round": 4, "step": "x", "pid": 1, '
                                                                       '"reason": ""}'),
                        ("handover-1.json", '{"round": 9, "env": {"RANK": 2}}'), ("left-1.json", "not json"),
@@ -100,6 +110,77 @@ def test_a_round_is_cut_for_reading_first_and_held_open_so_that_sends_under_way_
     finally:
         for s in (listener, mine, peer):
             s.close()
+
+
+@pytest.fixture
+def round_connection() -> Iterator[tuple[RoundConnections, socket.socket]]:
+    """A connection of this round's (cut with the round) and its peer's end (not the round's)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    connections = RoundConnections(open_sockets() - {os.readlink(f"/proc/self/fd/{mine.fileno()}")})
+    peer.settimeout(5)
+    try:
+        yield connections, peer
+    finally:
+        connections.release()
+        for s in (listener, mine, peer):
+            s.close()
+
+
+def _round_whose_steps_take(seconds: float | None) -> tuple[Round, threading.Event]:
+    """Round 3 of a worker, its last step timed at ``seconds`` (None: no step done yet)."""
+    leave = threading.Event()
+    round = Round(replace(WorkerContext.from_env({}), round=3), 0, None, EventLog(None), leave)
+    if seconds is not None:
+        round.step_done(1)
+        time.sleep(seconds)
+        round.step_done(2)
+    return round, leave
+
+
+def test_a_leave_that_allows_the_step_to_finish_ends_the_round_at_its_end_without_a_cut(tmp_path, round_connection):
+    """A join: nobody was lost, so the step in flight completes (its work is kept) and the round
+    ends at step_done; the round's connections are not cut under it."""
+    connections, peer = round_connection
+    round, leave = _round_whose_steps_take(0.2)
+    watcher = _LeaveWatcher(str(tmp_path), round, leave, connections, "gloo")
+    try:
+        regroup.request_leave(tmp_path, 3, finish_step_s=30.0)
+        assert leave.wait(10)
+        peer.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            peer.recv(1)  # still connected while the step runs
+        with pytest.raises(RoundEnded, match="at the end of step 3"):
+            round.step_done(3)
+    finally:
+        watcher.stop()
+    assert round.held_step == 3
+    with pytest.raises(TimeoutError):
+        peer.recv(1)  # the watcher left the connections to run_resilient
+
+
+@pytest.mark.parametrize("finish_step_s", [0.0, 0.3], ids=["a loss: at once", "a step run past what was allowed"])
+def test_a_leave_cuts_the_rounds_connections_when_the_step_may_not_or_did_not_finish(tmp_path, round_connection,
+                                                                                        finish_step_s):
+    connections, peer = round_connection
+    round, leave = _round_whose_steps_take(0.2)
+    watcher = _LeaveWatcher(str(tmp_path), round, leave, connections, "gloo")
+    try:
+        regroup.request_leave(tmp_path, 3, finish_step_s=finish_step_s)
+        assert peer.recv(1) == b""  # cut: a training thread blocked in a collective errors out
+        assert leave.is_set()
+    finally:
+        watcher.stop()
+
+
+def test_the_step_in_flight_is_let_finish_only_when_it_is_expected_to_end_in_the_time_allowed():
+    untimed, _ = _round_whose_steps_take(None)
+    assert untimed.time_to_finish_step(30.0) == 0.0  # nothing to expect it from: at once
+    round, _ = _round_whose_steps_take(1.0)
+    assert round.time_to_finish_step(30.0) == 30.0
+    assert round.time_to_finish_step(0.1) == 0.0  # it would run about 1 s more
+    assert round.time_to_finish_step(0.0) == 0.0
 
 
 def test_a_cut_connection_wakes_an_event_loop_that_leaves_it_unread_once_more_then_no_more():

@@ -253,12 +253,11 @@ def main() -> None:
                 loss.backward()
                 total += loss.detach()
             grad_norm = clip_grad_norm(list(model.parameters()), args.max_grad_norm)
+            dist.all_reduce(total, group=dp_mesh.get_group())  # before the state changes (see examples/train.py)
+            loss_value = total.item() / dp_size
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sampler.advance()
-            round.step_done(step + 1)
-            dist.all_reduce(total, group=dp_mesh.get_group())
-            loss_value = total.item() / dp_size
             window_steps += 1
             if ctx.rank == 0:
                 first = step == start
@@ -273,6 +272,7 @@ def main() -> None:
                              "compiles": compiled_graphs() - graphs_before} if first and compiled else {}
                     mark(args.marks, "first_step_done" if first else "step", step + 1, world_size=ctx.world_size,
                          samples=args.global_batch_size, tokens=tokens_per_step, loss=loss_value, **extra)
+            round.step_done(step + 1)  # the round may end here, at the step's end: the step is kept
             if ckpt:
                 ckpt.maybe_save(step + 1, app_state)
         if ckpt:
