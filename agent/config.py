@@ -264,6 +264,8 @@ class ElasticSection(_Section):
     re-form in the next one (a training script written with ``agent.run_resilient``); a node
     whose workers do not all leave within ``in_process_deadline`` restarts them."""
     in_process_deadline: Seconds = 5.0
+    """How long a node's workers get to leave a round; at a join, up to half of it goes to
+    finishing the step in flight."""
     rehearse_joins: bool = True
     """With in_process: a node joining a running job starts its workers before it asks to join;
     they run the script's warm-up (``agent.run_resilient(warmup=...)``: build, shard, compile) in a

@@ -67,7 +67,7 @@ def leave_requested(directory: str | os.PathLike[str]) -> LeaveRequest | None:
         return None
     finish = raw.get("finish_step_s", 0.0)
     if isinstance(finish, bool) or not isinstance(finish, int | float) or not 0 <= finish < float("inf"):
-        return None
+        finish = 0.0  # a request all the same: leave at once
     return LeaveRequest(round=raw["round"], finish_step_s=float(finish))
 
 

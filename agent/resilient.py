@@ -14,7 +14,7 @@ once per round, across membership changes, without a restart (``elastic.in_proce
             start = ckpt.restore(app_state) or 0
         for step in range(start, total):
             train_step(ddp, ...)
-            round.step_done(step + 1)           # right after the optimizer step
+            round.step_done(step + 1)           # after the optimizer step (and its logging)
             ckpt.maybe_save(step + 1, app_state)
     agent.run_resilient(train)
 
@@ -56,6 +56,9 @@ from agent.worker import REGROUP_DIR, REHEARSAL_ROUND, WorkerContext
 
 T = TypeVar("T")
 
+FINISH_MARGIN_MIN_S = 0.5
+"""The least time a step let finish gets beyond what it has left: short steps vary more than half
+their length, and a worker's thread may wait for the CPU."""
 _COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe")
 
 
@@ -84,6 +87,9 @@ class Round:
         self._last_step_at: float | None = None
         self._step_s: float | None = None
         """The time between this round's last two ``step_done`` calls."""
+        self.cut = False
+        """Whether the round's connections were cut under the training thread (it did not end the
+        round at a step's end)."""
 
     @property
     def leave_requested(self) -> bool:
@@ -111,9 +117,10 @@ class Round:
         return healed.step
 
     def step_done(self, step: int) -> None:
-        """Record that this process now holds the state of ``step`` (call it right after the
-        optimizer step, before any later collective); raises RoundEnded when the agent asked the
-        round to end. The first call after a heal records ``first_step_done``."""
+        """Record that this process now holds the state of ``step`` (call it after the optimizer
+        step and whatever logs the step, before any later collective); raises RoundEnded when the
+        agent asked the round to end, which a join lets come here, at the step's end. The first
+        call after a heal records ``first_step_done``."""
         if self._healed:
             self._healed = False
             self.events.record("first_step_done", step=step, restored_from=None, path="in_process",
@@ -128,12 +135,16 @@ class Round:
 
     def time_to_finish_step(self, allowed_s: float) -> float:
         """How long to let the step in flight run to its end, when the agent allows up to
-        ``allowed_s``: ``allowed_s`` when the step, timed like the round's last one, ends within it;
-        0 (leave at once) when it would end later, or no step of this round was timed yet."""
-        if allowed_s <= 0 or self._step_s is None or self._last_step_at is None:
+        ``allowed_s``: what it has left, timed like the round's last step, and a margin of half a
+        step (at least :data:`FINISH_MARGIN_MIN_S`; a step already late gets only the margin),
+        within ``allowed_s``. 0 (leave at once) when it would end later, when no step of this round
+        was timed yet, or when the round did not heal (its state restores from a snapshot each
+        round: a step after the last commit is thrown away whether it finishes or not)."""
+        if allowed_s <= 0 or self.app_state is None or self._step_s is None or self._last_step_at is None:
             return 0.0
-        remaining = self._step_s - (time.monotonic() - self._last_step_at)
-        return allowed_s if remaining <= allowed_s else 0.0
+        remaining = max(self._step_s - (time.monotonic() - self._last_step_at), 0.0)
+        margin = max(self._step_s / 2, FINISH_MARGIN_MIN_S)
+        return min(remaining + margin, allowed_s) if remaining <= allowed_s else 0.0
 
 
 def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
@@ -175,8 +186,10 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         except Exception as exc:
             if directory is None or context.round is None or not (leave.is_set() or _collective_failed(exc)):
                 raise
-            reason = (str(exc) if isinstance(exc, RoundEnded) else "asked by the agent") if leave.is_set() \
-                else f"a collective failed: {exc}"
+            if not leave.is_set():
+                reason = f"a collective failed: {exc}"
+            else:  # a RoundEnded from step_done says at which step's end, unless the round was cut
+                reason = str(exc) if isinstance(exc, RoundEnded) and not round.cut else "asked by the agent"
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -241,12 +254,25 @@ class _LeaveWatcher:
             if request is None:
                 continue
             leave.set()
-            if self._stop.wait(round.time_to_finish_step(request.finish_step_s)):
-                return  # the round ended at the step's end: run_resilient cuts its connections
+            if self._step_ends_in_time(directory, round, request, poll_s):
+                return  # the round ended (at the step's end, say): run_resilient cuts its connections
+            round.cut = True
             if backend == "nccl":  # its communicators do not use these connections (untested: no GPU here)
                 torch_private.abort_process_group()
             connections.cut(self._stop)  # the training thread may be sending
             return
+
+    def _step_ends_in_time(self, directory: str, round: Round, request: regroup.LeaveRequest, poll_s: float) -> bool:
+        """Whether the round ends by itself within the time ``request`` lets its step in flight
+        finish; a later request to leave at once (a node lost meanwhile) ends the wait."""
+        until = time.monotonic() + round.time_to_finish_step(request.finish_step_s)
+        while (left := until - time.monotonic()) > 0:
+            if self._stop.wait(min(poll_s, left)):
+                return True
+            later = _leave_request(directory, round.context.round)
+            if later is not None and later.finish_step_s == 0:
+                return False
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 
@@ -48,9 +49,9 @@ def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_a
     assert regroup.read_handover(tmp_path, 1, after=5) is None  # not a later round than the worker's
     regroup.post_taken(tmp_path, 1, 5)
     assert regroup.took_round(tmp_path, [0, 1], 5) == {1} and regroup.took_round(tmp_path, [1], 4) == set()
-    for finish in ('"2"', "-1", "NaN", "Infinity", "true"):
+    for finish in ('"2"', "-1", "NaN", "Infinity", "true"):  # a request all the same, to leave at once
         (tmp_path / "leave.json").write_text(f'{{"round": 4, "finish_step_s": {finish}}}')
-        assert regroup.leave_requested(tmp_path) is None, finish
+        assert regroup.leave_requested(tmp_path) == regroup.LeaveRequest(round=4, finish_step_s=0.0), finish
     for name, text in [("leave.json", '{"round": "4"}'), ("left-1.json", '{"round": 4, "step": "x", "pid": 1, '
                                                                       '"reason": ""}'),
                        ("handover-1.json", '{"round": 9, "env": {"RANK": 2}}'), ("left-1.json", "not json"),
@@ -128,10 +129,13 @@ def round_connection() -> Iterator[tuple[RoundConnections, socket.socket]]:
             s.close()
 
 
-def _round_whose_steps_take(seconds: float | None) -> tuple[Round, threading.Event]:
-    """Round 3 of a worker, its last step timed at ``seconds`` (None: no step done yet)."""
+def _round_whose_steps_take(seconds: float | None, healed: bool = True) -> tuple[Round, threading.Event]:
+    """Round 3 of a worker, its last step timed at ``seconds`` (None: no step done yet); ``healed``:
+    its training function called ``heal`` (its state lives on in memory across rounds)."""
     leave = threading.Event()
     round = Round(replace(WorkerContext.from_env({}), round=3), 0, None, EventLog(None), leave)
+    if healed:
+        round.app_state = {}
     if seconds is not None:
         round.step_done(1)
         time.sleep(seconds)
@@ -139,48 +143,71 @@ def _round_whose_steps_take(seconds: float | None) -> tuple[Round, threading.Eve
     return round, leave
 
 
+@contextmanager
+def _asked_to_leave(tmp_path, connections: RoundConnections, step_s: float, finish_step_s: float) -> Iterator[Round]:
+    """A round whose steps take ``step_s``, once its watcher has seen the agent's request to leave
+    that allows ``finish_step_s`` for the step in flight; the watcher is stopped after."""
+    round, leave = _round_whose_steps_take(step_s)
+    watcher = _LeaveWatcher(str(tmp_path), round, leave, connections, "gloo")
+    try:
+        regroup.request_leave(tmp_path, 3, finish_step_s=finish_step_s)
+        assert leave.wait(10)
+        yield round
+    finally:
+        watcher.stop()
+
+
 def test_a_leave_that_allows_the_step_to_finish_ends_the_round_at_its_end_without_a_cut(tmp_path, round_connection):
     """A join: nobody was lost, so the step in flight completes (its work is kept) and the round
     ends at step_done; the round's connections are not cut under it."""
     connections, peer = round_connection
-    round, leave = _round_whose_steps_take(0.2)
-    watcher = _LeaveWatcher(str(tmp_path), round, leave, connections, "gloo")
-    try:
-        regroup.request_leave(tmp_path, 3, finish_step_s=30.0)
-        assert leave.wait(10)
-        peer.settimeout(0.5)
+    with _asked_to_leave(tmp_path, connections, step_s=1.0, finish_step_s=30.0) as round:
+        peer.settimeout(0.3)
         with pytest.raises(TimeoutError):
-            peer.recv(1)  # still connected while the step runs
+            peer.recv(1)  # still connected while the step runs (it has about 1 s left)
         with pytest.raises(RoundEnded, match="at the end of step 3"):
             round.step_done(3)
-    finally:
-        watcher.stop()
-    assert round.held_step == 3
+    assert round.held_step == 3 and not round.cut
     with pytest.raises(TimeoutError):
         peer.recv(1)  # the watcher left the connections to run_resilient
 
 
-@pytest.mark.parametrize("finish_step_s", [0.0, 0.3], ids=["a loss: at once", "a step run past what was allowed"])
-def test_a_leave_cuts_the_rounds_connections_when_the_step_may_not_or_did_not_finish(tmp_path, round_connection,
-                                                                                        finish_step_s):
+@pytest.mark.parametrize("finish_step_s, uncut_for_s", [(0.0, 0.0), (1.0, 0.2)],
+                         ids=["a loss: at once", "a step run past what was allowed"])
+def test_a_leave_cuts_the_rounds_connections_when_the_step_may_not_or_did_not_finish(
+        tmp_path, round_connection, finish_step_s, uncut_for_s):
     connections, peer = round_connection
-    round, leave = _round_whose_steps_take(0.2)
-    watcher = _LeaveWatcher(str(tmp_path), round, leave, connections, "gloo")
-    try:
-        regroup.request_leave(tmp_path, 3, finish_step_s=finish_step_s)
+    # Let finish, the step gets 0.2 s left and a 0.5 s margin; it never ends here.
+    with _asked_to_leave(tmp_path, connections, step_s=0.2, finish_step_s=finish_step_s) as round:
+        if uncut_for_s:
+            peer.settimeout(uncut_for_s)
+            with pytest.raises(TimeoutError):
+                peer.recv(1)
+            peer.settimeout(5)
         assert peer.recv(1) == b""  # cut: a training thread blocked in a collective errors out
-        assert leave.is_set()
-    finally:
-        watcher.stop()
+        assert round.cut
+
+
+def test_a_request_to_leave_at_once_ends_the_wait_for_a_step_to_finish(tmp_path, round_connection):
+    """A node lost while the survivors finish their step for a join: they are cut at once."""
+    connections, peer = round_connection
+    with _asked_to_leave(tmp_path, connections, step_s=1.0, finish_step_s=30.0) as round:
+        regroup.request_leave(tmp_path, 3)
+        peer.settimeout(1.0)  # the step would have had about 1.5 s
+        assert peer.recv(1) == b""
+        assert round.cut
 
 
 def test_the_step_in_flight_is_let_finish_only_when_it_is_expected_to_end_in_the_time_allowed():
     untimed, _ = _round_whose_steps_take(None)
     assert untimed.time_to_finish_step(30.0) == 0.0  # nothing to expect it from: at once
     round, _ = _round_whose_steps_take(1.0)
-    assert round.time_to_finish_step(30.0) == 30.0
+    assert 1.0 < round.time_to_finish_step(30.0) < 1.6  # what it has left (about 1 s), and half a step
+    assert round.time_to_finish_step(1.2) == 1.2
     assert round.time_to_finish_step(0.1) == 0.0  # it would run about 1 s more
     assert round.time_to_finish_step(0.0) == 0.0
+    not_healed, _ = _round_whose_steps_take(0.1, healed=False)
+    assert not_healed.time_to_finish_step(30.0) == 0.0  # its step would be thrown away: at once
 
 
 def test_a_cut_connection_wakes_an_event_loop_that_leaves_it_unread_once_more_then_no_more():
