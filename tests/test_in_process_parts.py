@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -86,47 +87,50 @@ def test_cutting_a_rounds_connections_spares_listeners_and_older_connections():
             s.close()
 
 
-def test_a_round_is_cut_for_reading_first_and_held_open_so_that_sends_under_way_still_go_out():
-    """What keeps gloo from losing a send (agent.round_sockets): cut for reading, a connection ends
-    every read at once yet still takes what this process sends, and stays open after its owner
-    closed it; cut for writing, its peer is told, in order."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    mine = socket.create_connection(listener.getsockname())
-    peer, _ = listener.accept()
-    connections = RoundConnections(open_sockets() - {os.readlink(f"/proc/self/fd/{mine.fileno()}")})
-    try:
-        assert connections.shut(socket.SHUT_RD) == 1  # the peer's end is another process's, say
-        mine.settimeout(5)
-        peer.settimeout(5)
-        assert mine.recv(1) == b""  # this process's reads end at once
-        mine.sendall(b"x")  # while its sends still go out
-        mine.close()  # its owner closes it (gloo, on that end of file)
-        peer.sendall(b"y")  # the peer still sending is not reset
-        assert peer.recv(1) == b"x"
-        left = threading.Event()
-        left.set()  # the round's threads left: no wait before the writing side goes too
-        connections.cut(left)
-        assert peer.recv(1) == b""  # told in order
-        connections.release()
-    finally:
-        for s in (listener, mine, peer):
-            s.close()
+class RoundConnection(NamedTuple):
+    """A connection of a round's, as the fixture below opens it."""
+
+    connections: RoundConnections
+    mine: socket.socket
+    """This round's end of the connection (cut with the round)."""
+    peer: socket.socket
+    """Its peer's end (not the round's: another process's, say)."""
 
 
 @pytest.fixture
-def round_connection() -> Iterator[tuple[RoundConnections, socket.socket]]:
-    """A connection of this round's (cut with the round) and its peer's end (not the round's)."""
+def round_connection() -> Iterator[RoundConnection]:
+    """A TCP connection opened during a round, both ends with a 5 s timeout, and the round's
+    connections; closed and released after the test."""
     listener = socket.create_server(("127.0.0.1", 0))
     mine = socket.create_connection(listener.getsockname())
     peer, _ = listener.accept()
     connections = RoundConnections(open_sockets() - {os.readlink(f"/proc/self/fd/{mine.fileno()}")})
+    mine.settimeout(5)
     peer.settimeout(5)
     try:
-        yield connections, peer
+        yield RoundConnection(connections, mine, peer)
     finally:
         connections.release()
         for s in (listener, mine, peer):
             s.close()
+
+
+def test_a_round_is_cut_for_reading_first_and_held_open_so_that_sends_under_way_still_go_out(round_connection):
+    """What keeps gloo from losing a send (agent.round_sockets): cut for reading, a connection ends
+    every read at once yet still takes what this process sends, and stays open after its owner
+    closed it; cut for writing, its peer is told, in order."""
+    connections, mine, peer = round_connection
+    assert connections.shut(socket.SHUT_RD) == 1  # the peer's end is another process's, say
+    assert mine.recv(1) == b""  # this process's reads end at once
+    mine.sendall(b"x")  # while its sends still go out
+    mine.close()  # its owner closes it (gloo, on that end of file)
+    peer.sendall(b"y")  # the peer still sending is not reset
+    assert peer.recv(1) == b"x"
+    left = threading.Event()
+    left.set()  # the round's threads left: no wait before the writing side goes too
+    connections.cut(left)
+    assert peer.recv(1) == b""  # told in order
+    connections.release()
 
 
 def _round_whose_steps_take(seconds: float | None, healed: bool = True) -> tuple[Round, threading.Event]:
@@ -160,7 +164,7 @@ def _asked_to_leave(tmp_path, connections: RoundConnections, step_s: float, fini
 def test_a_leave_that_allows_the_step_to_finish_ends_the_round_at_its_end_without_a_cut(tmp_path, round_connection):
     """A join: nobody was lost, so the step in flight completes (its work is kept) and the round
     ends at step_done; the round's connections are not cut under it."""
-    connections, peer = round_connection
+    connections, _, peer = round_connection
     with _asked_to_leave(tmp_path, connections, step_s=1.0, finish_step_s=30.0) as round:
         peer.settimeout(0.3)
         with pytest.raises(TimeoutError):
@@ -176,7 +180,7 @@ def test_a_leave_that_allows_the_step_to_finish_ends_the_round_at_its_end_withou
                          ids=["a loss: at once", "a step run past what was allowed"])
 def test_a_leave_cuts_the_rounds_connections_when_the_step_may_not_or_did_not_finish(
         tmp_path, round_connection, finish_step_s, uncut_for_s):
-    connections, peer = round_connection
+    connections, _, peer = round_connection
     # Let finish, the step gets 0.2 s left and a 0.5 s margin; it never ends here.
     with _asked_to_leave(tmp_path, connections, step_s=0.2, finish_step_s=finish_step_s) as round:
         if uncut_for_s:
@@ -190,7 +194,7 @@ def test_a_leave_cuts_the_rounds_connections_when_the_step_may_not_or_did_not_fi
 
 def test_a_request_to_leave_at_once_ends_the_wait_for_a_step_to_finish(tmp_path, round_connection):
     """A node lost while the survivors finish their step for a join: they are cut at once."""
-    connections, peer = round_connection
+    connections, _, peer = round_connection
     with _asked_to_leave(tmp_path, connections, step_s=1.0, finish_step_s=30.0) as round:
         regroup.request_leave(tmp_path, 3)
         peer.settimeout(1.0)  # the step would have had about 1.5 s
