@@ -30,19 +30,27 @@ _TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
 
 @dataclass(frozen=True)
 class Healed:
-    """The step every rank now holds, the rank this rank received it from (None: it held that step
-    already), and the bytes it received."""
+    """The step every rank now holds, the ranks this rank received it from (empty: it held that
+    step already), and the bytes it received."""
 
     step: int
-    source: int | None
+    sources: tuple[int, ...]
     bytes: int
     seconds: float
+
+
+SPLIT_BYTES = 1 << 20
+"""A tensor at least this large comes in parts, one from each rank that holds it; a smaller one
+whole, from one of them."""
 
 
 def heal(app_state: Mapping[str, Any], held_step: int | None) -> Healed | None:
     """Give every rank of the default process group the newest state a rank holds in memory
     (``held_step``: the step of this rank's ``app_state``, None when it holds none). Returns None
-    when no rank holds any (restore from a snapshot then); collective: every rank calls it."""
+    when no rank holds any (restore from a snapshot then); collective: every rank calls it.
+
+    Every rank that holds the newest step sends each rank that lacks it an equal part of the state,
+    all parts in flight at once: a new node's rank receives from all the survivors in parallel."""
     started = time.perf_counter()
     state_dicts = read_state_dicts(app_state)
     _refuse_sharded(state_dicts)
@@ -56,18 +64,13 @@ def heal(app_state: Mapping[str, Any], held_step: int | None) -> Healed | None:
         return None
     holders = [rank for rank, step in enumerate(held) if step == newest]
     lacking = [rank for rank, step in enumerate(held) if step != newest]
-    if not lacking:
-        return Healed(step=newest, source=None, bytes=0, seconds=time.perf_counter() - started)
-    # Each rank that lacks the step gets it from one holder, the holders taking turns: a new node's
-    # ranks are served in parallel, and a rank that holds the step receives nothing.
-    source_of = {rank: holders[i % len(holders)] for i, rank in enumerate(lacking)}
     me = dist.get_rank()
-    if me in source_of:
-        received = _receive_state(app_state, source_of[me], device)
-        return Healed(step=newest, source=source_of[me], bytes=received, seconds=time.perf_counter() - started)
-    for rank in (r for r, source in source_of.items() if source == me):
-        _send_state(state_dicts, rank, device)
-    return Healed(step=newest, source=None, bytes=0, seconds=time.perf_counter() - started)
+    if me in lacking:
+        received = _receive_state(app_state, holders, device)
+        return Healed(step=newest, sources=tuple(holders), bytes=received, seconds=time.perf_counter() - started)
+    if lacking:
+        _send_state(state_dicts, lacking, holders.index(me), len(holders), device)
+    return Healed(step=newest, sources=(), bytes=0, seconds=time.perf_counter() - started)
 
 
 def carry_over(previous: Mapping[str, Any], app_state: Mapping[str, Any]) -> None:
@@ -87,35 +90,78 @@ def _same_parameters(a: Any, b: Any) -> bool:
     return [id(p) for p in a.parameters()] == [id(p) for p in b.parameters()]
 
 
-def _send_state(state_dicts: dict[str, Any], to: int, device: torch.device) -> None:
-    """Send this rank's state dicts to rank ``to``: their structure as JSON, then each tensor."""
+def _parts(tensors: list[torch.Tensor], holders: int) -> list[list[tuple[int, torch.Tensor]]]:
+    """Each holder's share of ``tensors`` (contiguous): (message tag, flat view) pairs. A tensor of
+    :data:`SPLIT_BYTES` or more is cut into one range per holder; a smaller one goes whole, the
+    holders taking turns. Sender and receiver compute the same shares from the same layout."""
+    shares: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(holders)]
+    tag, small = 0, 0
+    for tensor in tensors:
+        flat = tensor.view(-1)
+        if tensor.numel() * tensor.element_size() < SPLIT_BYTES:
+            shares[small % holders].append((tag, flat))
+            small, tag = small + 1, tag + 1
+            continue
+        for holder, part in enumerate(flat.tensor_split(holders)):
+            shares[holder].append((tag, part))
+            tag += 1
+    return shares
+
+
+def _send_state(state_dicts: dict[str, Any], to: list[int], holder: int, holders: int,
+                device: torch.device) -> None:
+    """Send this holder's share of its state dicts (their structure as JSON first) to each rank of
+    ``to``, every message in flight at once."""
     tensors: list[torch.Tensor] = []
     layout = json.dumps(_encode(state_dicts, tensors)).encode()
-    dist.send(torch.tensor([len(layout)], dtype=torch.int64, device=device), dst=to)
-    dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device), dst=to)
-    for tensor in tensors:
-        dist.send(tensor.detach().to(device).contiguous(), dst=to)
+    size = torch.tensor([len(layout)], dtype=torch.int64, device=device)
+    layout_bytes = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device)
+    share = _parts([t.detach().to(device).contiguous() for t in tensors], holders)[holder]
+    for rank in to:
+        dist.send(size, dst=rank)
+        dist.send(layout_bytes, dst=rank)
+    _wait([dist.isend(part, dst=rank, tag=_FIRST_PART_TAG + tag) for rank in to for tag, part in share])
 
 
-def _receive_state(app_state: Mapping[str, Any], source: int, device: torch.device) -> int:
-    """Receive ``source``'s state dicts and load them; the bytes received."""
+def _receive_state(app_state: Mapping[str, Any], holders: list[int], device: torch.device) -> int:
+    """Receive the state dicts, a share from each of ``holders``, and load them; the bytes received.
+    Every holder sends its layout, and all must be the same."""
+    layouts = [_receive_layout(source, device) for source in holders]
+    if any(layout != layouts[0] for layout in layouts[1:]):
+        raise RestoreError(f"ranks {holders} hold the same step but sent different layouts of its state: "
+                           "every rank must build the same model and optimizer")
+    tensors: list[torch.Tensor] = []
+    try:
+        decoded = _decode(json.loads(layouts[0]), tensors, device)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RestoreError(f"the state rank {holders[0]} sent to heal this rank is malformed: {exc}") from exc
+    if not isinstance(decoded, dict) or set(decoded) != set(app_state):
+        raise RestoreError(f"rank {holders[0]} sent state for "
+                           f"{sorted(decoded) if isinstance(decoded, dict) else decoded!r}, "
+                           f"this rank's app_state has {sorted(app_state)}: every rank must pass the same keys")
+    shares = _parts(tensors, len(holders))
+    _wait([dist.irecv(part, src=source, tag=_FIRST_PART_TAG + tag)
+           for source, share in zip(holders, shares) for tag, part in share])
+    for key, state in decoded.items():
+        app_state[key].load_state_dict(state)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_FIRST_PART_TAG = 1
+"""The tag of a state's first part (0 is the layout's); part n goes with tag n + 1."""
+
+
+def _receive_layout(source: int, device: torch.device) -> bytes:
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(size, src=source)
     buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(buffer, src=source)
-    tensors: list[torch.Tensor] = []
-    try:
-        decoded = _decode(json.loads(bytes(buffer.cpu().numpy())), tensors, device)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise RestoreError(f"the state rank {source} sent to heal this rank is malformed: {exc}") from exc
-    for tensor in tensors:
-        dist.recv(tensor, src=source)
-    if not isinstance(decoded, dict) or set(decoded) != set(app_state):
-        raise RestoreError(f"rank {source} sent state for {sorted(decoded) if isinstance(decoded, dict) else decoded!r}, "
-                           f"this rank's app_state has {sorted(app_state)}: every rank must pass the same keys")
-    for key, state in decoded.items():
-        app_state[key].load_state_dict(state)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return bytes(buffer.cpu().numpy())
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
 
 
 def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:

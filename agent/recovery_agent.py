@@ -142,6 +142,9 @@ class RecoveryAgent(LocalElasticAgent):
         """The workers left the round alive: the next round is handed to them, not started anew."""
         self._leaving: tuple[int, float] | None = None
         """(round, monotonic time): the workers were asked to leave that round then."""
+        self._heals_from_memory = False
+        """The workers left the last round holding a step their training function heals the next
+        from (no snapshot is read: none is prefetched)."""
         self._regroup_due: tuple[int, float] | None = None
         """(round, monotonic deadline): the round handed over, by when its workers must have taken it."""
         self._regroup_failed: str | None = None
@@ -366,6 +369,7 @@ class RecoveryAgent(LocalElasticAgent):
         workers says it left the round: "" when all did (or none was asked: a rehearsal's said
         so already), else why they are restarted instead."""
         assert self._pcontext is not None, "the workers run"
+        self._heals_from_memory = False
         if self._leaving is None:
             return ""
         (round, asked), self._leaving = self._leaving, None
@@ -374,6 +378,7 @@ class RecoveryAgent(LocalElasticAgent):
             left = self._workers_left(round)
             late = [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
             if not late:
+                self._heals_from_memory = all(said.healed and said.step is not None for said in left.values())
                 self.events.record("workers_stopped", seconds=time.monotonic() - asked, path="in_process",
                                    reasons=sorted({said.reason for said in left.values()}))
                 return ""
@@ -635,7 +640,8 @@ class RecoveryAgent(LocalElasticAgent):
                 self._regroup_due = (round, time.monotonic() + self._job.elastic.in_process_deadline)
                 pids = self._pcontext.pids()
                 self._prev_world_size = worker_group.workers[0].world_size
-                self._prefetch_restore(worker_group)
+                if not self._heals_from_memory:
+                    self._prefetch_restore(worker_group)
                 return pids
             self._leaving = None
             self.events.record("in_process_fallback", reason=problem)

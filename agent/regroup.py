@@ -6,8 +6,9 @@ live processes):
 * ``leave.json`` (agent -> workers): ``{"round": R, "finish_step_s": S}``, every round up to R must
   end: now, or, when S > 0 (nobody was lost: the step in flight can complete), at the end of the
   step in flight if that comes within S seconds;
-* ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid"}``, the worker
-  left round R (asked to, or its collective failed) holding the state of ``step``, and waits;
+* ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid", "healed"}``,
+  the worker left round R (asked to, or its collective failed) holding the state of ``step`` (in
+  memory the next round heals from, when ``healed``: its training function healed R), and waits;
 * ``handover-<local rank>.json`` (agent -> worker): ``{"round", "env"}``, the next round's
   torchrun and TORCHREVIVE_* variables;
 * ``taken-<local rank>.json`` (worker -> agent): ``{"round"}``, the worker took round R's
@@ -38,12 +39,15 @@ STACK_DUMP_WAIT_S = 0.5
 
 @dataclass(frozen=True)
 class Left:
-    """A worker's word that it left ``round``: why, and the step whose state it holds (None: none)."""
+    """A worker's word that it left ``round``: why, the step whose state it holds (None: none), and
+    whether that state heals the next round (its training function healed ``round``: it restores
+    from no snapshot)."""
 
     round: int
     reason: str
     step: int | None
     pid: int
+    healed: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def leave_requested(directory: str | os.PathLike[str]) -> LeaveRequest | None:
 
 def post_left(directory: str | os.PathLike[str], local_rank: int, left: Left) -> None:
     write_file(Path(directory) / f"left-{local_rank}.json",
-               json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid}),
+               json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid,
+                          "healed": left.healed}),
                durable=False)
 
 
@@ -83,7 +88,8 @@ def read_left(directory: str | os.PathLike[str], local_rank: int) -> Left | None
         step = raw["step"]
         if not isinstance(step, int | None) or not all(isinstance(raw[k], int) for k in ("round", "pid")):
             return None
-        return Left(round=raw["round"], reason=str(raw["reason"]), step=step, pid=raw["pid"])
+        return Left(round=raw["round"], reason=str(raw["reason"]), step=step, pid=raw["pid"],
+                    healed=raw.get("healed") is True)
     except (KeyError, TypeError):
         return None
 

@@ -28,7 +28,9 @@ Any other exception ends the process, as without in-process recovery: the agent 
 Without an agent that runs rounds in-process, ``train`` runs once.
 
 Keep outside ``train`` what outlives a world: the model's parameters and optimizer (for DDP), the
-dataset, compiled code, the device context. Build inside it what depends on the world: the DDP or
+dataset, compiled code, the device context. With an agent that runs rounds in-process, what is
+alive when :func:`run_resilient` starts is frozen (``gc.freeze``): the collection at each round's
+end scans only what the rounds made, and a reference cycle made before then is never collected. Build inside it what depends on the world: the DDP or
 FSDP2 wrapper, the sampler, the Checkpointer, any further process group. Sharded state (FSDP2,
 tensor parallel) restores through the Checkpointer each round.
 """
@@ -112,8 +114,8 @@ class Round:
         self._healed = True
         self.held_step = healed.step
         self.events.record("restore_done", snapshot=None, step=healed.step, bytes=healed.bytes,
-                           seconds=healed.seconds, source="peer" if healed.source is not None else "in_process",
-                           from_rank=healed.source, bytes_from_storage=0)
+                           seconds=healed.seconds, source="peer" if healed.sources else "in_process",
+                           from_ranks=list(healed.sources), bytes_from_storage=0)
         return healed.step
 
     def step_done(self, step: int) -> None:
@@ -164,6 +166,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         # Chained only to a handler of the program's own: the default one would end the process.
         chain = signal.getsignal(regroup.STACK_DUMP_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
         faulthandler.register(regroup.STACK_DUMP_SIGNAL, all_threads=True, chain=chain)
+        gc.freeze()  # what outlives rounds (modules, the kept model): a round's end collects only what rounds made
     number, held, previous_state = 0, None, None
     ended: RoundConnections | None = None  # the last round's connections, held open (agent.round_sockets)
     while True:
@@ -198,7 +201,8 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
         held, previous_state = round.held_step, round.app_state or previous_state
         # Told first: the agent re-forms the job while this process cleans up.
         regroup.post_left(directory, context.local_rank,
-                          regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid()))
+                          regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid(),
+                                       healed=round.app_state is not None))
         del round
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
         _leave_process_group(backend)

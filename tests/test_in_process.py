@@ -65,6 +65,10 @@ def test_a_joining_node_heals_from_a_peer_and_the_job_trains_as_without_faults(t
     # than the time allowed); a peer already in its next step then fails in it and holds the same step.
     left = [e for e in events if e["event"] == "workers_stopped" and e["time"] > joined_at and e["path"] == "in_process"]
     assert any("at the end of step" in reason for e in left for reason in e["reasons"]), left
+    # Their state heals the round from memory: their agents read nothing of the snapshot ahead.
+    survivors = {e["node"] for e in left}
+    read_ahead = [e for e in events if e["event"] == "prefetch_done" and e["time"] > joined_at and e["node"] in survivors]
+    assert survivors and not read_ahead, read_ahead
     assert max(e["world_size"] for e in read_events(faulty / "samples.jsonl")) == 3
     assert_trained_as_without_faults(faulty, reference, JOIN_WIDTH)
 

@@ -29,7 +29,7 @@ from agent.elastic_sampler import ElasticSampler
 from agent.epoll_registrations import Registration, fire_once_more, registrations
 from agent.errors import RestoreError
 from agent.events import EventLog
-from agent.heal import heal
+from agent.heal import SPLIT_BYTES, heal
 from agent.resilient import Round, RoundEnded, _leave_process_group, _LeaveWatcher
 from agent.round_sockets import RoundConnections, open_sockets
 from agent.worker import WorkerContext
@@ -44,6 +44,10 @@ def test_the_channel_carries_leave_left_and_handover_and_reads_malformed_files_a
     assert regroup.leave_requested(tmp_path) == regroup.LeaveRequest(round=4, finish_step_s=2.5)
     regroup.post_left(tmp_path, 1, regroup.Left(round=4, reason="asked by the agent", step=17, pid=123))
     assert regroup.read_left(tmp_path, 1) == regroup.Left(round=4, reason="asked by the agent", step=17, pid=123)
+    regroup.post_left(tmp_path, 1, regroup.Left(round=4, reason="", step=17, pid=123, healed=True))
+    assert regroup.read_left(tmp_path, 1).healed
+    (tmp_path / "left-1.json").write_text('{"round": 4, "reason": "", "step": 17, "pid": 123, "healed": "yes"}')
+    assert regroup.read_left(tmp_path, 1).healed is False  # only a true heals from memory: else prefetch
     assert regroup.read_left(tmp_path, 0) is None
     regroup.hand_over(tmp_path, 1, 5, {"RANK": "2", "WORLD_SIZE": "3"})
     assert regroup.read_handover(tmp_path, 1, after=4) == (5, {"RANK": "2", "WORLD_SIZE": "3"})
@@ -333,10 +337,10 @@ def _heal_ranks(rank: int, world_size: int, out: str) -> None:
     model, optimizer, sampler = _replicated_state(held, seed=rank)
     app_state = {"model": model, "optim": optimizer, "data": sampler}
     healed = heal(app_state, held)
-    assert healed is not None and (healed.step, healed.source) == (3, None if rank == 1 else 1)
+    assert healed is not None and (healed.step, healed.sources) == (3, () if rank == 1 else (1,))
     assert (healed.bytes > 0) == (rank != 1)  # the holder receives nothing
     again = heal(app_state, 3)  # everyone holds step 3 now: nothing moves
-    assert again is not None and (again.source, again.bytes) == (None, 0)
+    assert again is not None and (again.sources, again.bytes) == ((), 0)
     torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "data": sampler.state_dict()},
                os.path.join(out, f"rank{rank}.pt"))
 
@@ -354,6 +358,41 @@ def test_heal_gives_every_rank_the_newest_state_a_rank_holds(tmp_path):
         for index, entry in ours["state"].items():
             for name, value in entry.items():
                 assert torch.equal(theirs["state"][index][name], value), (index, name)
+
+
+def _large_replicated_state(held: int | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model whose weight and moments (2 MB each) come in parts, from every holder."""
+    torch.manual_seed(7)
+    model = nn.Linear(512, 1024)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(held or 0):
+        optimizer.zero_grad()
+        model(torch.randn(3, 512)).sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _heal_from_every_holder(rank: int, world_size: int, out: str) -> None:
+    held = {0: 3, 1: 3, 2: 3, 3: None}[rank]  # three holders of step 3 (the same state); a new process
+    model, optimizer = _large_replicated_state(held)
+    if held is None:
+        with torch.no_grad():
+            model.weight.zero_()  # nothing of it may be left: every part must arrive
+    healed = heal({"model": model, "optim": optimizer}, held)
+    assert healed is not None and healed.sources == ((0, 1, 2) if rank == 3 else ())
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_new_rank_receives_a_part_of_each_large_tensor_from_every_holder(tmp_path):
+    assert _large_replicated_state(None)[0].weight.nbytes >= 2 * SPLIT_BYTES
+    run_ranks(4, _heal_from_every_holder, str(tmp_path))
+    model, optimizer = _large_replicated_state(3)
+    healed = torch.load(tmp_path / "rank3.pt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(healed["model"][key], value), key
+    for index, entry in optimizer.state_dict()["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(healed["optim"]["state"][index][name], value), (index, name)
 
 
 def _refuse_sharded(rank: int, world_size: int) -> None:
@@ -384,3 +423,19 @@ def _malformed_layout(rank: int, world_size: int) -> None:
 
 def test_a_malformed_state_from_a_peer_is_refused_with_its_rank():
     run_ranks(2, _malformed_layout)
+
+
+def _layouts_that_differ(rank: int, world_size: int) -> None:
+    if rank < 2:  # two holders of step 5 whose states differ in shape: one is broken or hostile
+        dist.all_gather([torch.empty(1, dtype=torch.int64) for _ in range(world_size)],
+                        torch.tensor([5], dtype=torch.int64))
+        layout = f'{{"__dict__": [["model", {{"__dict__": [["weight", {{"__tensor__": ["float32", [2, {rank + 2}]]}}]]}}]]}}'
+        dist.send(torch.tensor([len(layout)], dtype=torch.int64), dst=2)
+        dist.send(torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8), dst=2)
+    else:
+        with pytest.raises(RestoreError, match=r"ranks \[0, 1\] hold the same step but sent different layouts"):
+            heal({"model": nn.Linear(2, 2, bias=False)}, None)
+
+
+def test_holders_whose_layouts_differ_are_refused_before_any_tensor_moves():
+    run_ranks(3, _layouts_that_differ)
