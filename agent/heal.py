@@ -5,7 +5,8 @@ replica group that restarted).
 
 Only replicated state heals this way (DDP's parameters, its optimizer, counters): every rank that
 holds step S holds the same values. Sharded state (DTensor, ShardedTensor) is refused before any
-collective; it restores through :meth:`agent.Checkpointer.restore`, resharded to the new world.
+collective: :mod:`agent.heal_sharded` re-lays FSDP2's shards (with this module's wire format),
+and the rest restores through :meth:`agent.Checkpointer.restore`, resharded to the new world.
 
 A peer is data, never code: the structure of the state goes as JSON (containers, numbers,
 strings, and tensors by dtype and shape, both checked), never as a pickle.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from agent.checkpoint.stage import read_state_dicts
 from agent.errors import RestoreError
 
-_TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
+_TENSOR, _SHARDED, _DICT, _TUPLE = "__tensor__", "__sharded__", "__dict__", "__tuple__"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def heal(app_state: Mapping[str, Any], held_step: int | None) -> Healed | None:
     started = time.perf_counter()
     state_dicts = read_state_dicts(app_state)
     _refuse_sharded(state_dicts)
-    device = _device()
+    device = device_of_backend()
     mine = torch.tensor([-1 if held_step is None else held_step], dtype=torch.int64, device=device)
     steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(steps, mine)
@@ -66,10 +67,12 @@ def heal(app_state: Mapping[str, Any], held_step: int | None) -> Healed | None:
     lacking = [rank for rank, step in enumerate(held) if step != newest]
     me = dist.get_rank()
     if me in lacking:
-        received = _receive_state(app_state, holders, device)
+        decoded, received = receive_state(app_state.keys(), holders, device)
+        for key, state in decoded.items():
+            app_state[key].load_state_dict(state)
         return Healed(step=newest, sources=tuple(holders), bytes=received, seconds=time.perf_counter() - started)
     if lacking:
-        _send_state(state_dicts, lacking, holders.index(me), len(holders), device)
+        send_state(state_dicts, lacking, holders.index(me), len(holders), device)
     return Healed(step=newest, sources=(), bytes=0, seconds=time.perf_counter() - started)
 
 
@@ -108,43 +111,51 @@ def _parts(tensors: list[torch.Tensor], holders: int) -> list[list[tuple[int, to
     return shares
 
 
-def _send_state(state_dicts: dict[str, Any], to: list[int], holder: int, holders: int,
-                device: torch.device) -> None:
+def send_state(state_dicts: dict[str, Any], to: list[int], holder: int, holders: int, device: torch.device,
+               sharded: list[Any] | None = None) -> None:
     """Send this holder's share of its state dicts (their structure as JSON first) to each rank of
-    ``to``, every message in flight at once."""
+    ``to``, every message in flight at once; with ``sharded``, its DTensors go by dtype and global
+    shape only, and are appended there."""
     tensors: list[torch.Tensor] = []
-    layout = json.dumps(_encode(state_dicts, tensors)).encode()
+    layout = json.dumps(encode(state_dicts, tensors, sharded)).encode()
     size = torch.tensor([len(layout)], dtype=torch.int64, device=device)
     layout_bytes = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device)
     share = _parts([t.detach().to(device).contiguous() for t in tensors], holders)[holder]
     for rank in to:
         dist.send(size, dst=rank)
         dist.send(layout_bytes, dst=rank)
-    _wait([dist.isend(part, dst=rank, tag=_FIRST_PART_TAG + tag) for rank in to for tag, part in share])
+    run_all([dist.P2POp(dist.isend, part, rank, tag=_FIRST_PART_TAG + tag) for rank in to for tag, part in share])
 
 
-def _receive_state(app_state: Mapping[str, Any], holders: list[int], device: torch.device) -> int:
-    """Receive the state dicts, a share from each of ``holders``, and load them; the bytes received.
-    Every holder sends its layout, and all must be the same."""
+def receive_state(keys: Collection[str], holders: list[int], device: torch.device,
+                  sharded: list[ShardedEntry] | None = None) -> tuple[dict[str, Any], int]:
+    """Receive the state dicts of ``keys``, a share from each of ``holders``; them, and the bytes
+    received. Every holder sends its layout, and all must be the same; with ``sharded``, the
+    DTensors in it are :class:`ShardedEntry` there, appended to ``sharded``."""
     layouts = [_receive_layout(source, device) for source in holders]
-    if any(layout != layouts[0] for layout in layouts[1:]):
-        raise RestoreError(f"ranks {holders} hold the same step but sent different layouts of its state: "
-                           "every rank must build the same model and optimizer")
+    try:
+        parsed = [json.loads(layout) for layout in layouts]
+    except ValueError as exc:
+        raise RestoreError(f"a layout ranks {holders} sent to heal this rank is not JSON: {exc}") from exc
+    # Scalars may differ (a rank that began its next step set that step's learning rate); the
+    # tensors, which come in parts from each holder, must line up.
+    for source, layout in zip(holders[1:], parsed[1:]):
+        if _tensor_specs(layout) != _tensor_specs(parsed[0]):
+            raise RestoreError(f"ranks {holders[0]} and {source} hold the same step but their states hold different "
+                               "tensors (names, dtypes or shapes): every rank must build the same model and optimizer")
     tensors: list[torch.Tensor] = []
     try:
-        decoded = _decode(json.loads(layouts[0]), tensors, device)
+        decoded = _decode(parsed[0], tensors, device, sharded)
     except (ValueError, TypeError, KeyError) as exc:
         raise RestoreError(f"the state rank {holders[0]} sent to heal this rank is malformed: {exc}") from exc
-    if not isinstance(decoded, dict) or set(decoded) != set(app_state):
+    if not isinstance(decoded, dict) or set(decoded) != set(keys):
         raise RestoreError(f"rank {holders[0]} sent state for "
                            f"{sorted(decoded) if isinstance(decoded, dict) else decoded!r}, "
-                           f"this rank's app_state has {sorted(app_state)}: every rank must pass the same keys")
+                           f"this rank's app_state has {sorted(keys)}: every rank must pass the same keys")
     shares = _parts(tensors, len(holders))
-    _wait([dist.irecv(part, src=source, tag=_FIRST_PART_TAG + tag)
-           for source, share in zip(holders, shares) for tag, part in share])
-    for key, state in decoded.items():
-        app_state[key].load_state_dict(state)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    run_all([dist.P2POp(dist.irecv, part, source, tag=_FIRST_PART_TAG + tag)
+             for source, share in zip(holders, shares) for tag, part in share])
+    return decoded, sum(t.numel() * t.element_size() for t in tensors)
 
 
 _FIRST_PART_TAG = 1
@@ -159,25 +170,49 @@ def _receive_layout(source: int, device: torch.device) -> bytes:
     return bytes(buffer.cpu().numpy())
 
 
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
+def run_all(operations: list[dist.P2POp]) -> None:
+    """Put every one of ``operations`` in flight at once (one batch, as NCCL needs), and wait for them."""
+    if operations:
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
 
 
-def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
+def encode(value: Any, tensors: list[torch.Tensor], sharded: list[Any] | None = None) -> Any:
+    """``value``'s structure as JSON-ready data; its tensors are appended to ``tensors`` and, where
+    ``sharded`` is given, its DTensors to ``sharded`` (by dtype and global shape), in order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) and sharded is not None:
+        sharded.append(value)
+        return {_SHARDED: [str(value.dtype).removeprefix("torch."), list(value.shape)]}
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return {_TENSOR: [str(value.dtype).removeprefix("torch."), list(value.shape)]}
     if isinstance(value, Mapping):
-        return {_DICT: [[_key(k), _encode(v, tensors)] for k, v in value.items()]}
+        return {_DICT: [[_key(k), encode(v, tensors, sharded)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {_TUPLE: [_encode(v, tensors) for v in value]}
+        return {_TUPLE: [encode(v, tensors, sharded) for v in value]}
     if isinstance(value, list):
-        return [_encode(v, tensors) for v in value]
+        return [encode(v, tensors, sharded) for v in value]
     if _is_scalar(value):
         return value
     raise RestoreError(f"a state dict holds a {type(value).__name__}: healing from a peer sends containers, "
                        "numbers, strings and tensors only")
+
+
+def _tensor_specs(layout: Any, path: str = "") -> list[Any]:
+    """Where a parsed layout holds tensors: each one's path, kind, dtype and shape, in order."""
+    if isinstance(layout, list):
+        return [spec for i, value in enumerate(layout) for spec in _tensor_specs(value, f"{path}/{i}")]
+    if not isinstance(layout, dict) or len(layout) != 1:
+        return []
+    (kind, body), = layout.items()
+    if kind in (_TENSOR, _SHARDED):
+        return [(path, kind, body)]
+    if kind == _DICT and isinstance(body, list):
+        return [spec for entry in body if isinstance(entry, list) and len(entry) == 2
+                for spec in _tensor_specs(entry[1], f"{path}/{entry[0]}")]
+    return _tensor_specs(body, path) if kind == _TUPLE else []
 
 
 def _is_scalar(value: Any) -> bool:
@@ -190,25 +225,38 @@ def _key(key: Any) -> Any:
     raise RestoreError(f"a state dict key {key!r} is a {type(key).__name__}: healing sends scalar keys only")
 
 
-def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device) -> Any:
+@dataclass(frozen=True)
+class ShardedEntry:
+    """Where a peer's state holds a DTensor: its dtype and global shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device, sharded: list[ShardedEntry] | None) -> Any:
     if isinstance(value, list):
-        return [_decode(v, tensors, device) for v in value]
+        return [_decode(v, tensors, device, sharded) for v in value]
     if not isinstance(value, dict):
         if _is_scalar(value):
             return value
         raise TypeError(f"unexpected {type(value).__name__}")
     (kind, body), = value.items()
     if kind == _DICT:
-        return {_received_key(k): _decode(v, tensors, device) for k, v in body}
+        return {_received_key(k): _decode(v, tensors, device, sharded) for k, v in body}
     if kind == _TUPLE:
-        return tuple(_decode(v, tensors, device) for v in body)
-    if kind == _TENSOR:
+        return tuple(_decode(v, tensors, device, sharded) for v in body)
+    if kind in (_TENSOR, _SHARDED):
         dtype_name, shape = body
         dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
         if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"a tensor of dtype {dtype_name!r} and shape {shape!r}")
-        tensors.append(torch.empty(shape, dtype=dtype, device=device))
-        return tensors[-1]
+        if kind == _TENSOR:
+            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+            return tensors[-1]
+        if sharded is None or not shape:
+            raise ValueError(f"a sharded tensor of shape {shape!r} where none is expected")
+        sharded.append(ShardedEntry(dtype, tuple(shape)))
+        return sharded[-1]
     raise ValueError(f"unknown entry {kind!r}")
 
 
@@ -226,14 +274,16 @@ def _refuse_sharded(state_dicts: Any) -> None:
         value = stack.pop()
         if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
             raise RestoreError("heal() moves replicated state only; this app_state holds sharded tensors (FSDP2, "
-                               "tensor parallel): restore them with Checkpointer.restore instead")
+                               "tensor parallel): heal them with agent.heal_sharded (Round.heal does) or restore "
+                               "them with Checkpointer.restore")
         if isinstance(value, Mapping):
             stack.extend(value.values())
         elif isinstance(value, list | tuple):
             stack.extend(value)
 
 
-def _device() -> torch.device:
+def device_of_backend() -> torch.device:
+    """Where the default process group's tensors live: the current CUDA device for NCCL, else CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

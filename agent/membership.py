@@ -75,6 +75,12 @@ class Change:
         """Nodes wait to join, and every participant is still in the round: the workers can train on."""
         return self.cause == "node_joined" and not self.lost and not self.left
 
+    @property
+    def loses_nobody(self) -> bool:
+        """Every participant of this node's round is in the next one: nodes join, seen directly or
+        from a peer that moved the round on for them (the step in flight can finish)."""
+        return self.only_joins or (self.cause == "round_advanced" and bool(self.joined))
+
 
 class MembershipWatch:
     """Compares the rendezvous state with the round this agent's workers run in.

@@ -142,6 +142,9 @@ class RecoveryAgent(LocalElasticAgent):
         """The workers left the round alive: the next round is handed to them, not started anew."""
         self._leaving: tuple[int, float] | None = None
         """(round, monotonic time): the workers were asked to leave that round then."""
+        self._nobody_lost = False
+        """The change the workers were last asked to leave for lost nobody (sharded state heals
+        from their memory only then)."""
         self._heals_from_memory = False
         """The workers left the last round holding a step their training function heals the next
         from (no snapshot is read: none is prefetched)."""
@@ -317,7 +320,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._prefetch_stop.set()
         self._pull_ahead()
         started = time.monotonic()
-        fallback = self._leave_in_process(finish_step=change.only_joins) if self._regroup_dir is not None else None
+        fallback = self._leave_in_process(finish_step=change.loses_nobody) if self._regroup_dir is not None else None
         # In-process, the workers leave while the rendezvous runs: the next round is handed to them
         # once they did (_start_workers), and this node is in that round even when one is late.
         self._regroup_pending = fallback == ""
@@ -361,6 +364,7 @@ class RecoveryAgent(LocalElasticAgent):
             return failed
         regroup.request_leave(directory, self._round,
                               finish_step_s=self._job.elastic.in_process_deadline / 2 if finish_step else 0.0)
+        self._nobody_lost = finish_step and (self._leaving is None or self._nobody_lost)
         self._leaving = (self._round, time.monotonic())
         return ""
 
@@ -378,7 +382,8 @@ class RecoveryAgent(LocalElasticAgent):
             left = self._workers_left(round)
             late = [w.local_rank for w in self._worker_group.workers if w.local_rank not in left]
             if not late:
-                self._heals_from_memory = all(said.healed and said.step is not None for said in left.values())
+                self._heals_from_memory = all(said.healed and said.step is not None
+                                              and (not said.sharded or self._nobody_lost) for said in left.values())
                 self.events.record("workers_stopped", seconds=time.monotonic() - asked, path="in_process",
                                    reasons=sorted({said.reason for said in left.values()}))
                 return ""

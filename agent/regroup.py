@@ -6,9 +6,10 @@ live processes):
 * ``leave.json`` (agent -> workers): ``{"round": R, "finish_step_s": S}``, every round up to R must
   end: now, or, when S > 0 (nobody was lost: the step in flight can complete), at the end of the
   step in flight if that comes within S seconds;
-* ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid", "healed"}``,
-  the worker left round R (asked to, or its collective failed) holding the state of ``step`` (in
-  memory the next round heals from, when ``healed``: its training function healed R), and waits;
+* ``left-<local rank>.json`` (worker -> agent): ``{"round", "reason", "step", "pid", "healed",
+  "sharded"}``, the worker left round R (asked to, or its collective failed) holding the state of
+  ``step`` (in memory the next round heals from, when ``healed``: its training function healed R;
+  when ``sharded``, only if no node was lost), and waits;
 * ``handover-<local rank>.json`` (agent -> worker): ``{"round", "env"}``, the next round's
   torchrun and TORCHREVIVE_* variables;
 * ``taken-<local rank>.json`` (worker -> agent): ``{"round"}``, the worker took round R's
@@ -41,13 +42,14 @@ STACK_DUMP_WAIT_S = 0.5
 class Left:
     """A worker's word that it left ``round``: why, the step whose state it holds (None: none), and
     whether that state heals the next round (its training function healed ``round``: it restores
-    from no snapshot)."""
+    from no snapshot; ``sharded`` state only when no node was lost)."""
 
     round: int
     reason: str
     step: int | None
     pid: int
     healed: bool = False
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def leave_requested(directory: str | os.PathLike[str]) -> LeaveRequest | None:
 def post_left(directory: str | os.PathLike[str], local_rank: int, left: Left) -> None:
     write_file(Path(directory) / f"left-{local_rank}.json",
                json.dumps({"round": left.round, "reason": left.reason, "step": left.step, "pid": left.pid,
-                          "healed": left.healed}),
+                          "healed": left.healed, "sharded": left.sharded}),
                durable=False)
 
 
@@ -89,7 +91,7 @@ def read_left(directory: str | os.PathLike[str], local_rank: int) -> Left | None
         if not isinstance(step, int | None) or not all(isinstance(raw[k], int) for k in ("round", "pid")):
             return None
         return Left(round=raw["round"], reason=str(raw["reason"]), step=step, pid=raw["pid"],
-                    healed=raw.get("healed") is True)
+                    healed=raw.get("healed") is True, sharded=raw.get("sharded") is not False)
     except (KeyError, TypeError):
         return None
 

@@ -94,22 +94,37 @@ class Round:
         round at a step's end)."""
 
     @property
+    def kept_state(self) -> Mapping[str, Any] | None:
+        """What the next round heals from: this round's state once it healed, else the last round's."""
+        return self.app_state if self.app_state is not None else self._previous_state
+
+    @property
     def leave_requested(self) -> bool:
         """Whether the agent asked this round to end (``step_done`` then raises RoundEnded)."""
         return self._leave.is_set()
 
     def heal(self, app_state: Mapping[str, Any]) -> int | None:
-        """Bring every rank to the newest step one of them holds, from that rank's memory (replicated
-        state only); the step, or None when no rank holds any (restore from a snapshot then).
-        An object built anew for this round (a sampler, say) first takes the state of the one under
-        its key in this process's previous round. Collective: every rank of the round calls it."""
+        """Bring every rank to the newest step one of them holds, from the ranks' memory; the step,
+        or None when they cannot (restore from a snapshot then): no rank holds any, or, for sharded
+        state (FSDP2's DTensors, re-laid to this round's mesh: :mod:`agent.heal_sharded`), a shard
+        of it went with a lost node. An object of replicated state built anew for this round (a
+        sampler, say) first takes the state of the one under its key in this process's previous
+        round. Collective: every rank of the round calls it."""
         from agent.heal import carry_over, heal
+        from agent.heal_sharded import heal_sharded, holds_dtensors
 
-        self.app_state = app_state
-        if self._previous_state is not None:
-            carry_over(self._previous_state, app_state)
-        healed = heal(app_state, self.held_step)
+        previous = self._previous_state
+        if holds_dtensors(app_state):
+            healed = heal_sharded(app_state, previous, self.held_step)
+        else:
+            if previous is not None:
+                carry_over(previous, app_state)
+            healed = heal(app_state, self.held_step)
+        # Healed (or not, every rank knowing it): this round's objects are what the next heals
+        # from, and the last round's go. A round that ends within the heal keeps the last round's.
+        self.app_state, self._previous_state = app_state, None
         if healed is None:
+            self.held_step = None  # this round's objects hold no step until one is restored or done
             return None
         self._healed = True
         self.held_step = healed.step
@@ -177,6 +192,7 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
             continue
         leave = threading.Event()
         round = Round(context, number, held, EventLog.for_worker(context), leave, previous_state)
+        previous_state = None  # the round holds it, and lets it go once healed (FSDP2's: a second copy of the state)
         # Watching from before the group forms: a peer lost meanwhile leaves this worker waiting
         # in the group's rendezvous, and cutting the store connection frees it.
         watcher = _LeaveWatcher(directory, round, leave, connections, backend) if directory else None
@@ -198,11 +214,14 @@ def run_resilient(train: Callable[[Round], T], *, backend: str | None = None,
                 watcher.stop()
         # Every read of the round ends; a background save's sends still go out (agent.round_sockets).
         connections.shut(socket.SHUT_RD)
-        held, previous_state = round.held_step, round.app_state or previous_state
+        from agent.heal_sharded import holds_dtensors
+
+        held, previous_state = round.held_step, round.kept_state
+        sharded = round.app_state is not None and holds_dtensors(round.app_state)
         # Told first: the agent re-forms the job while this process cleans up.
         regroup.post_left(directory, context.local_rank,
                           regroup.Left(round=context.round, reason=reason[:500], step=held, pid=os.getpid(),
-                                       healed=round.app_state is not None))
+                                       healed=round.app_state is not None, sharded=sharded))
         del round
         gc.collect()  # the round's DDP reducers unhook from the kept parameters
         _leave_process_group(backend)

@@ -14,7 +14,8 @@ restarting its workers.
 
 The training function runs through `agent.run_resilient`: with `elastic.in_process: true` in the
 job config, survivors of a membership change keep their processes and heal the DDP state from
-the newest step a live rank holds (see agent/resilient.py); otherwise it runs once per process.
+the newest step a live rank holds (FSDP2's shards too, when the ranks hold them all: a join; see
+agent/resilient.py); otherwise it runs once per process.
 """
 
 from __future__ import annotations
@@ -121,12 +122,12 @@ def main() -> None:
                                        seed=args.seed)
         loader = DataLoader(dataset, batch_size=micro, sampler=sampler)
 
-        # With a checkpoint dir in the job config: resume from the newest state a live rank holds
-        # (in-process rounds, DDP), else from the snapshot the agent chose, resharded to this world
-        # size; save every checkpoint.interval_steps.
+        # With a checkpoint dir in the job config: resume from the newest state the live ranks hold
+        # (in-process rounds: DDP's, or FSDP2's when no shard was lost), else from the snapshot the
+        # agent chose, resharded to this world size; save every checkpoint.interval_steps.
         ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
         app_state = {"model": model, "optim": optimizer, "data": sampler}
-        start = None if args.fsdp else round.heal(app_state)
+        start = round.heal(app_state)
         if start is None:
             start = ckpt.restore(app_state) if ckpt else None
         if start is None:

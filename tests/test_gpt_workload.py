@@ -166,7 +166,8 @@ def test_gpt_with_tensor_parallelism_resumes(tmp_path, later_ranks):
 
 def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_path):
     """A node killed (4 -> 3 ranks), then a node joining (3 -> 4), in-process: the survivors re-shard
-    the FSDP2 model and AdamW in their own processes each round. Every step's loss (the last run of
+    the FSDP2 model and AdamW in their own processes each round: from the snapshot after the kill,
+    from their own memory at the join. Every step's loss (the last run of
     it) is the one a single rank trained without faults gets, with the same schedule and data."""
     args = argparse.Namespace(nodes=4, nproc_per_node=1, scenario="kill,join", fault_node=1, backend="c10d",
                               rdzv_endpoint=f"127.0.0.1:{free_port()}", state_mb=4, interval_steps=3, timeout=240,
@@ -180,6 +181,10 @@ def test_fsdp2_state_re_sharded_4_3_4_in_process_trains_as_without_faults(tmp_pa
     assert [run["path"] for run in (kill, join)].count("in_process") >= 1, (kill, join)
     for run in (kill, join):
         assert run["path"] == "in_process" or "elastic.in_process_deadline" in (run["fallback_reason"] or ""), run
+    # At the join nobody's shard was lost: in-process, it is re-laid from the ranks' memory, and
+    # the step each survivor held is kept.
+    if join["path"] == "in_process":
+        assert join["bytes_from_storage"] == 0 and join["steps_lost"] == 0, join
     ours = losses(read_events(tmp_path / "faulty" / "marks.jsonl"))  # a step run again: its last loss
     assert max(ours) > join["restored_step"] > kill["restored_step"] > 0
     # The harness's job runs for 1e6 steps: the reference keeps its learning-rate schedule.

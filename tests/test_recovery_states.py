@@ -235,3 +235,13 @@ def test_an_observation_out_of_turn_is_a_bug_that_says_so(step):
     machine.round_formed(ABC, standby=False)
     with pytest.raises(RuntimeError, match="healthy, not rendezvous"):
         machine.round_formed(ABC, standby=False)
+
+
+def test_a_change_loses_nobody_when_nodes_only_join_seen_directly_or_from_a_peer():
+    """In-process, such a change lets the step in flight finish; any other cuts the round at once."""
+    assert Change("node_joined", joined=frozenset({"new"})).loses_nobody
+    assert Change("round_advanced", joined=frozenset({"new"})).loses_nobody  # a peer moved the round on for it
+    assert not Change("round_advanced").loses_nobody  # for a failed worker of a peer's own
+    assert not Change("node_joined", joined=frozenset({"back"}), left=frozenset({"back"})).loses_nobody
+    assert not Change("node_lost", lost=frozenset({"gone"})).loses_nobody
+    assert not Change("node_hung", lost=frozenset({"me"})).loses_nobody

@@ -260,6 +260,7 @@ def test_the_watch_tells_a_peer_moving_the_round_on_from_a_lost_one(make_node):
         moved = pool.submit(second.next_rendezvous)
         change = first_change(watch)
         assert change.cause == "round_advanced" and change.lost == frozenset() and change.joined == frozenset()
+        assert not change.loses_nobody  # a worker failed: the step in flight is cut
         watch.pause()  # the first node's agent rejoins (pausing the watch first): it is already in
         others = pool.submit(third.next_rendezvous)
         assert first.next_rendezvous().world_size == 3 and moved.result().world_size == 3

@@ -207,8 +207,8 @@ def main() -> None:
 
     def train(round: agent.Round) -> None:
         # The model is sharded for one world: built, sharded and compiled each round (compiled
-        # code is cached in the process across in-process rounds), restored from the snapshot the
-        # agent chose.
+        # code is cached in the process across in-process rounds), healed from the ranks' memory
+        # when they hold every shard (a join), else restored from the snapshot the agent chose.
         ctx = round.context
         compile_before, graphs_before = compile_seconds(), compiled_graphs()
         dp_mesh, tp_mesh = meshes(ctx.world_size, args.tp, device.type)
@@ -232,7 +232,10 @@ def main() -> None:
 
         ckpt = agent.Checkpointer.from_env() if ctx.checkpoint_dir else None
         app_state = {"model": model, "optim": optimizer, "data": sampler}
-        restored = ckpt.restore(app_state) if ckpt else None
+        # In-process, at a join: every shard re-laid from the ranks' memory; else from the snapshot.
+        restored = round.heal(app_state)
+        if restored is None:
+            restored = ckpt.restore(app_state) if ckpt else None
         if restored is None:
             initialize(model, config, args.seed)
         start = restored or 0
