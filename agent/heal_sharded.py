@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from agent.checkpoint.stage import read_state_dicts
@@ -44,9 +45,10 @@ class _Member(NamedTuple):
 
 
 def holds_dtensors(app_state: Mapping[str, Any]) -> bool:
-    """Whether a module of ``app_state`` has DTensor parameters (FSDP2, tensor parallel)."""
-    return any(isinstance(p, DTensor) for obj in app_state.values() if isinstance(obj, nn.Module)
-               for p in obj.parameters())
+    """Whether a module of ``app_state`` is sharded by FSDP2 (even while its parameters are
+    gathered) or has DTensor parameters (tensor parallel)."""
+    return any(isinstance(m, FSDPModule) or any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+               for obj in app_state.values() if isinstance(obj, nn.Module) for m in obj.modules())
 
 
 def heal_sharded(app_state: Mapping[str, Any], previous: Mapping[str, Any] | None,
@@ -68,16 +70,21 @@ def heal_sharded(app_state: Mapping[str, Any], previous: Mapping[str, Any] | Non
     newest = max(m.held for m in members)
     if newest < 0 or not all(m.able for m in members):
         return None
+    world = len(members)
+    if sorted(m.new_coordinate for m in members) != list(range(world)):
+        return None  # not one coordinate per rank of the new mesh
     holders = [rank for rank, m in enumerate(members) if m.held == newest]
     old_sizes = {members[rank].old_size for rank in holders}
+    if len(old_sizes) != 1 or not 0 < min(old_sizes) <= world:
+        return None  # holders of different last meshes, or more shards than ranks to hold them
     source_of: dict[int, int] = {}  # a shard of the last round's mesh -> the rank that gives it
     for rank in holders:
         source_of.setdefault(members[rank].old_coordinate, rank)
-    if len(old_sizes) != 1 or set(source_of) != set(range(old_sizes.pop())):
+    if set(source_of) != set(range(old_sizes.pop())):
         return None  # a shard of the newest step went with its node: restore from a snapshot
     assert mesh is not None, "every rank is able"
     rank = dist.get_rank()
-    lacking = [r for r in range(len(members)) if r not in holders]
+    lacking = [r for r in range(world) if r not in holders]
     entries: list[Any] = []
     received = 0
     if rank in holders:

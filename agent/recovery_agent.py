@@ -143,8 +143,8 @@ class RecoveryAgent(LocalElasticAgent):
         self._leaving: tuple[int, float] | None = None
         """(round, monotonic time): the workers were asked to leave that round then."""
         self._nobody_lost = False
-        """The change the workers were last asked to leave for lost nobody (sharded state heals
-        from their memory only then)."""
+        """The change the workers were last asked to leave for was a join seen by this agent itself
+        (sharded state heals from their memory only when nobody was lost)."""
         self._heals_from_memory = False
         """The workers left the last round holding a step their training function heals the next
         from (no snapshot is read: none is prefetched)."""
@@ -320,7 +320,7 @@ class RecoveryAgent(LocalElasticAgent):
         self._prefetch_stop.set()
         self._pull_ahead()
         started = time.monotonic()
-        fallback = self._leave_in_process(finish_step=change.loses_nobody) if self._regroup_dir is not None else None
+        fallback = self._leave_in_process(change) if self._regroup_dir is not None else None
         # In-process, the workers leave while the rendezvous runs: the next round is handed to them
         # once they did (_start_workers), and this node is in that round even when one is late.
         self._regroup_pending = fallback == ""
@@ -348,11 +348,11 @@ class RecoveryAgent(LocalElasticAgent):
         self._memory.pull_ahead(group.store, self._round, group.group_rank, self._nodes_used,
                                 [w.global_rank for w in group.workers], group.workers[0].world_size, pulled)
 
-    def _leave_in_process(self, finish_step: bool) -> str:
-        """Ask this node's workers to leave the round (with ``finish_step``, at the end of the step
-        in flight if it ends within half of ``elastic.in_process_deadline``: no peer was lost, and
-        a step cut short is work thrown away): "" when asked, else why the round takes the restart
-        path here."""
+    def _leave_in_process(self, change: Change) -> str:
+        """Ask this node's workers to leave the round (for a ``change`` that loses nobody, at the
+        end of the step in flight if it ends within half of ``elastic.in_process_deadline``: a step
+        cut short is work thrown away): "" when asked, else why the round takes the restart path
+        here."""
         group, directory = self._worker_group, self._regroup_dir
         assert directory is not None and self._round is not None, "in-process rounds need a rendezvous round"
         if self._standby or not group.workers:
@@ -363,8 +363,9 @@ class RecoveryAgent(LocalElasticAgent):
             failed, self._regroup_failed = self._regroup_failed, None
             return failed
         regroup.request_leave(directory, self._round,
-                              finish_step_s=self._job.elastic.in_process_deadline / 2 if finish_step else 0.0)
-        self._nobody_lost = finish_step and (self._leaving is None or self._nobody_lost)
+                              finish_step_s=self._job.elastic.in_process_deadline / 2 if change.loses_nobody else 0.0)
+        # Seen directly: a peer that moved the round on for a join may have lost a worker too.
+        self._nobody_lost = change.only_joins and (self._leaving is None or self._nobody_lost)
         self._leaving = (self._round, time.monotonic())
         return ""
 

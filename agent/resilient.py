@@ -28,11 +28,14 @@ Any other exception ends the process, as without in-process recovery: the agent 
 Without an agent that runs rounds in-process, ``train`` runs once.
 
 Keep outside ``train`` what outlives a world: the model's parameters and optimizer (for DDP), the
-dataset, compiled code, the device context. With an agent that runs rounds in-process, what is
-alive when :func:`run_resilient` starts is frozen (``gc.freeze``): the collection at each round's
-end scans only what the rounds made, and a reference cycle made before then is never collected. Build inside it what depends on the world: the DDP or
-FSDP2 wrapper, the sampler, the Checkpointer, any further process group. Sharded state (FSDP2,
-tensor parallel) restores through the Checkpointer each round.
+dataset, compiled code, the device context. Build inside it what depends on the world: the DDP or
+FSDP2 wrapper, the sampler, the Checkpointer, any further process group. Sharded state (FSDP2's
+modules, passed in ``app_state`` as themselves) heals from the ranks' memory when they hold every
+shard (a join), else restores through the Checkpointer; tensor parallel's always restores.
+
+With an agent that runs rounds in-process, what is alive when :func:`run_resilient` starts is
+frozen (``gc.freeze``): the collection at each round's end scans only what the rounds made, and a
+reference cycle made before then is never collected.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class Round:
         """The step whose state this process holds in memory (None: none yet)."""
         self.events = events
         self.app_state: Mapping[str, Any] | None = None
-        """What this round healed: the next round's objects built anew take their state from it."""
+        """What this round passed to :meth:`heal` (healed, or restored by the training function when
+        the heal could not): the next round heals from it."""
         self._previous_state = previous_state
         self._leave = leave
         self._healed = False
@@ -155,8 +159,9 @@ class Round:
         ``allowed_s``: what it has left, timed like the round's last step, and a margin of half a
         step (at least :data:`FINISH_MARGIN_MIN_S`; a step already late gets only the margin),
         within ``allowed_s``. 0 (leave at once) when it would end later, when no step of this round
-        was timed yet, or when the round did not heal (its state restores from a snapshot each
-        round: a step after the last commit is thrown away whether it finishes or not)."""
+        was timed yet, or when the training function does not call :meth:`heal` (its state
+        restores from a snapshot each round: a step after the last commit is thrown away whether
+        it finishes or not)."""
         if allowed_s <= 0 or self.app_state is None or self._step_s is None or self._last_step_at is None:
             return 0.0
         remaining = max(self._step_s - (time.monotonic() - self._last_step_at), 0.0)
