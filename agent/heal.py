@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,20 +266,26 @@ def _received_key(key: Any) -> Any:
     raise TypeError(f"a key {key!r}")
 
 
+def leaves(value: Any) -> Iterator[Any]:
+    """What ``value``'s containers (mappings, lists, tuples) hold, in the order :func:`encode`
+    meets it."""
+    if isinstance(value, Mapping):
+        for item in value.values():
+            yield from leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from leaves(item)
+    else:
+        yield value
+
+
 def _refuse_sharded(state_dicts: Any) -> None:
     from torch.distributed.tensor import DTensor
 
-    stack = [state_dicts]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
-            raise RestoreError("heal() moves replicated state only; this app_state holds sharded tensors (FSDP2, "
-                               "tensor parallel): heal them with agent.heal_sharded (Round.heal does) or restore "
-                               "them with Checkpointer.restore")
-        if isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, list | tuple):
-            stack.extend(value)
+    if any(isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor" for value in leaves(state_dicts)):
+        raise RestoreError("heal() moves replicated state only; this app_state holds sharded tensors (FSDP2, "
+                           "tensor parallel): heal them with agent.heal_sharded (Round.heal does) or restore "
+                           "them with Checkpointer.restore")
 
 
 def device_of_backend() -> torch.device:

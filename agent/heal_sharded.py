@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from agent.checkpoint.stage import read_state_dicts
 from agent.errors import RestoreError
-from agent.heal import Healed, ShardedEntry, device_of_backend, receive_state, send_state, run_all
+from agent.heal import Healed, ShardedEntry, device_of_backend, leaves, receive_state, run_all, send_state
 
 _FIRST_ROWS_TAG = 1 << 20
 """Tags of the rows' messages start here, clear of the replicated parts' (agent.heal)."""
@@ -92,7 +92,7 @@ def heal_sharded(app_state: Mapping[str, Any], previous: Mapping[str, Any] | Non
         if lacking:
             send_state(old, lacking, holders.index(rank), len(holders), device, sharded=[])
         structure = old
-        _collect_dtensors(old, entries)
+        entries = _dtensors(old)
     else:
         structure, received = receive_state(app_state.keys(), holders, device, sharded=entries)
     plan = _Plan(members, source_of, rank)
@@ -177,8 +177,7 @@ def _chunk_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
 def _row_sharded_mesh(state: Any) -> DeviceMesh | None:
     """The one-dimensional mesh every DTensor of ``state`` is sharded on by rows, or None (none,
     several, or another layout)."""
-    found: list[DTensor] = []
-    _collect_dtensors(state, found)
+    found = _dtensors(state)
     meshes = {t.device_mesh for t in found}
     if len(meshes) != 1 or any(t.placements != (Shard(0),) or not t.shape for t in found):
         return None
@@ -186,16 +185,9 @@ def _row_sharded_mesh(state: Any) -> DeviceMesh | None:
     return mesh if mesh.ndim == 1 else None
 
 
-def _collect_dtensors(value: Any, into: list[Any]) -> None:
-    """Append ``value``'s DTensors to ``into``, in the order :func:`agent.heal.encode` meets them."""
-    if isinstance(value, DTensor):
-        into.append(value)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            _collect_dtensors(item, into)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _collect_dtensors(item, into)
+def _dtensors(state: Any) -> list[DTensor]:
+    """``state``'s DTensors, in the order :func:`agent.heal.encode` meets them."""
+    return [value for value in leaves(state) if isinstance(value, DTensor)]
 
 
 def _replaced(value: Any, shards: Iterator[DTensor]) -> Any:
