@@ -78,8 +78,9 @@ def metadata_problem(metadata: SnapshotMetadata) -> str | None:
                 # manifest_for_rank merges every rank's shards of a path into one tensor
                 kind = (string_to_dtype(entry.shards[0].tensor.dtype), len(entry.shards[0].sizes))
                 seen = sharded.setdefault(logical_path, kind)
-                _require(seen == kind, f"has shards of dtype {kind[0]} and {kind[1]} dimensions where another "
-                                       f"rank's have {seen[0]} and {seen[1]}")
+                if seen != kind:
+                    raise _Damaged(f"has shards of dtype {kind[0]} and {kind[1]} dimensions where another "
+                                   f"rank's have {seen[0]} and {seen[1]}")
                 if not is_fully_replicated_entry(entry):  # merged as manifest_for_rank does: each box once
                     boxes = shards_of.setdefault(logical_path, {})
                     for shard in entry.shards:
@@ -143,7 +144,8 @@ def _logical_path(key: Any, world_size: int) -> str:
     _require(isinstance(key, str), "is not a key of the form <rank>/<path>")
     writer, _, logical_path = key.partition("/")
     _require(bool(_WRITER.fullmatch(writer)) and bool(logical_path), "is not a key of the form <rank>/<path>")
-    _require(int(writer) < world_size, f"names rank {writer} of a snapshot written by {world_size} ranks")
+    if int(writer) >= world_size:
+        raise _Damaged(f"names rank {writer} of a snapshot written by {world_size} ranks")
     return logical_path
 
 
@@ -157,8 +159,9 @@ def _check_entry(entry: Entry) -> None:
         _require(bool(_listed(entry.chunks, "chunks")), "is a chunked tensor without chunks")
         for chunk in entry.chunks:
             _check_piece(chunk, dtype, len(shape))
-            _require(all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)),
-                     f"has a chunk at offsets {chunk.offsets} of sizes {chunk.sizes} outside its shape {list(shape)}")
+            if not all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
+                raise _Damaged(f"has a chunk at offsets {chunk.offsets} of sizes {chunk.sizes} outside its shape "
+                               f"{list(shape)}")
     elif isinstance(entry, (DTensorEntry, ShardedTensorEntry)):
         shards = _listed(entry.shards, "shards")
         if shards:  # torchsnapshot's parser makes each a Shard holding a TensorEntry
@@ -171,8 +174,8 @@ def _check_entry(entry: Entry) -> None:
                 "has a 'dim_map' that is not a list of lists of mesh dimensions")
     elif isinstance(entry, ObjectEntry):
         _require(isinstance(entry.location, str), "has a location that is not a file name")
-        _require(entry.serializer == Serializer.TORCH_SAVE.value, f"has serializer {entry.serializer!r}, not "
-                                                                  "one torchsnapshot writes objects with")
+        if entry.serializer != Serializer.TORCH_SAVE.value:
+            raise _Damaged(f"has serializer {entry.serializer!r}, not one torchsnapshot writes objects with")
         _require(type(entry.replicated) is bool, "has a 'replicated' that is neither true nor false")
     elif isinstance(entry, PrimitiveEntry):
         _require(isinstance(entry.serialized_value, str) and type(entry.replicated) is bool,
@@ -184,8 +187,8 @@ def _check_entry(entry: Entry) -> None:
     elif isinstance(entry, (DictEntry, OrderedDictEntry)):
         _require(isinstance(entry.keys, list) and all(isinstance(k, (str, int)) for k in entry.keys),
                  "is a dict whose keys are not a list of names")
-    else:
-        _require(isinstance(entry, ListEntry), f"has an entry of type {type(entry).__name__}")
+    elif not isinstance(entry, ListEntry):
+        raise _Damaged(f"has an entry of type {type(entry).__name__}")
 
 
 def _check_piece(piece: Shard, dtype: torch.dtype, ndim: int) -> None:
@@ -193,13 +196,15 @@ def _check_piece(piece: Shard, dtype: torch.dtype, ndim: int) -> None:
     tensor's dtype."""
     _require(isinstance(piece, Shard), "has a chunk that is not a box of the tensor")
     offsets, sizes = _sizes(piece.offsets, "offsets"), _sizes(piece.sizes, "sizes")
-    _require(len(offsets) == len(sizes) == ndim,
-             f"has a chunk with offsets {list(offsets)} and sizes {list(sizes)} in a tensor of {ndim} dimensions")
+    if not len(offsets) == len(sizes) == ndim:
+        raise _Damaged(f"has a chunk with offsets {list(offsets)} and sizes {list(sizes)} in a tensor of {ndim} "
+                       "dimensions")
     _check_tensor(piece.tensor)
-    _require(tuple(piece.tensor.shape) == sizes, f"has a chunk of sizes {list(sizes)} that stores a tensor of "
-                                                 f"shape {piece.tensor.shape}")
+    if tuple(piece.tensor.shape) != sizes:
+        raise _Damaged(f"has a chunk of sizes {list(sizes)} that stores a tensor of shape {piece.tensor.shape}")
     chunk_dtype = _dtype(piece.tensor.dtype)
-    _require(chunk_dtype == dtype, f"has a chunk of dtype {chunk_dtype} in a tensor of dtype {dtype}")
+    if chunk_dtype != dtype:
+        raise _Damaged(f"has a chunk of dtype {chunk_dtype} in a tensor of dtype {dtype}")
 
 
 def _check_tensor(entry: Any) -> None:
@@ -207,27 +212,28 @@ def _check_tensor(entry: Any) -> None:
     its bytes (exactly, when they are its memory as is)."""
     _require(isinstance(entry, TensorEntry), "has a chunk that is not a stored tensor")
     _require(isinstance(entry.location, str), "has a location that is not a file name")
-    _require(isinstance(entry.serializer, str) and entry.serializer in SERIALIZERS,
-             f"has serializer {entry.serializer!r}, not one torchsnapshot writes")
+    if not (isinstance(entry.serializer, str) and entry.serializer in SERIALIZERS):
+        raise _Damaged(f"has serializer {entry.serializer!r}, not one torchsnapshot writes")
     _require(type(entry.replicated) is bool, "has a 'replicated' that is neither true nor false")
     dtype, shape = _dtype(entry.dtype), _sizes(entry.shape, "shape")
     raw = entry.serializer == Serializer.BUFFER_PROTOCOL.value
-    _require(not raw or dtype in BUFFER_PROTOCOL_SUPPORTED_DTYPES, f"stores {dtype} as raw bytes")
+    if raw and dtype not in BUFFER_PROTOCOL_SUPPORTED_DTYPES:
+        raise _Damaged(f"stores {dtype} as raw bytes")
     if entry.byte_range is not None:
         byte_range = _sizes(entry.byte_range, "byte_range")
-        _require(len(byte_range) == 2 and byte_range[0] <= byte_range[1],
-                 f"has a byte_range {entry.byte_range} that is no range of bytes")
+        if not (len(byte_range) == 2 and byte_range[0] <= byte_range[1]):
+            raise _Damaged(f"has a byte_range {entry.byte_range} that is no range of bytes")
         nbytes = math.prod(shape) * dtype.itemsize
-        _require(not raw or byte_range[1] - byte_range[0] == nbytes,
-                 f"has a byte_range {list(byte_range)} of {byte_range[1] - byte_range[0]} bytes for a {dtype} tensor "
-                 f"of shape {list(shape)} ({nbytes} bytes)")
+        if raw and byte_range[1] - byte_range[0] != nbytes:
+            raise _Damaged(f"has a byte_range {list(byte_range)} of {byte_range[1] - byte_range[0]} bytes for a "
+                           f"{dtype} tensor of shape {list(shape)} ({nbytes} bytes)")
 
 
 def _sizes(values: Any, what: str) -> tuple[int, ...]:
     """``values`` (sizes, offsets or byte positions) as a tuple, when it is a list of ints from 0
     to MAX_INDEX."""
-    _require(isinstance(values, (list, tuple)) and all(type(v) is int and 0 <= v <= MAX_INDEX for v in values),
-             f"has {what} {values!r:.80}, not a list of sizes")
+    if not (isinstance(values, (list, tuple)) and all(type(v) is int and 0 <= v <= MAX_INDEX for v in values)):
+        raise _Damaged(f"has {what} {values!r:.80}, not a list of sizes")
     return tuple(values)
 
 
