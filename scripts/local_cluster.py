@@ -53,7 +53,10 @@ fault compiled from, the coldest node's: "local" caches, "snapshot" (the copy in
 "none"), for a join "compile_joined_s" (the joining node's compile: in its rehearsal, or in its first step on
 the restart path), "recompiles" (graphs dynamo compiled for that first step), "path" ("in_process" when the
 survivors kept their processes, else "restart"), "fallback_reason", "step_s" (the median steady step before
-the fault), "resume_s" (recovery_s less one steady step)}, "baseline": {"approach", "recovery_s" (from the
+the fault), "resume_s" (recovery_s less one steady step); with --steps-after N, "new_world_step_s" (the median
+of the N steps after the first at the new world size) and "resume_new_world_s" (recovery_s less that step: where a
+step at the new world size takes longer or shorter than one before, as with 3 or 4 ranks sharing 2 cores, the
+recovery's own time)}, "baseline": {"approach", "recovery_s" (from the
 fault to the re-formed job's first step), "pause_s" (the longest time between two steps until then),
 "capped", "cap_s", "peer_config"}}; with several scenarios, "runs" holds
 one such torchrevive result per scenario; "machine". With --netns, "addresses" (one per node). A
@@ -158,6 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run the same fault on a baseline too (default torchrun with the classic restore)")
     parser.add_argument("--cap-s", type=float, default=120)
     parser.add_argument("--timeout", type=float, default=300, help="give up on any one wait after this long")
+    parser.add_argument("--steps-after", type=int, default=0, metavar="N",
+                        help="after each recovery, wait for N more steps at the new world size and report their "
+                             "median (new_world_step_s) and recovery_s less it (resume_new_world_s)")
     parser.add_argument("--in-process", action="store_true",
                         help="survivors re-form in-process (elastic.in_process) instead of restarting their workers")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, events, checkpoints)")

@@ -203,11 +203,15 @@ def test_the_harness_writes_its_figures_and_the_jobs_timeline_beside_them(tmp_pa
     beside it, out.svg: the job's rounds, the failure and the recovery by phase."""
     out = tmp_path / "kill.json"
     done = subprocess.run([sys.executable, "scripts/local_cluster.py", "--nodes", "2", "--state-mb", "1",
-                           "--scenario", "kill", "--timeout", "120", "--json", str(out)],
+                           "--scenario", "kill", "--steps-after", "2", "--timeout", "120", "--json", str(out)],
                           cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = json.loads(out.read_text())["torchrevive"]
     assert (run["world_size_before"], run["world_size_after"]) == (2, 1), run
+    # --steps-after 2: the median of the two steps after the recovered job's first, a steady one,
+    # shorter than the recovery that ended with a step.
+    assert 0 < run["new_world_step_s"] < run["recovery_s"], run
+    assert run["resume_new_world_s"] == run["recovery_s"] - run["new_world_step_s"], run
     svg = ElementTree.parse(tmp_path / "kill.svg").getroot()
     classes = [element.get("class") for element in svg.iter()]
     # The kill's failure line; a node late to start on a loaded machine joins the first round as a

@@ -80,6 +80,11 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             timeline["stall_s"] = training_gap(marks, fault_at)
             timeline["step_s"] = steady_step_s(marks, fault_at)
             timeline["resume_s"] = timeline["recovery_s"] - (timeline["step_s"] or 0.0)
+            if args.steps_after:
+                gaps = cluster.wait_for(lambda marks, t=fault_at: steps_after_recovery(marks, t, args.steps_after),
+                                        args.timeout, f"{args.steps_after} steps after the recovery", path=cluster.marks)
+                timeline["new_world_step_s"] = statistics.median(gaps)
+                timeline["resume_new_world_s"] = timeline["recovery_s"] - timeline["new_world_step_s"]
             split_compile(timeline, marks, fault_at)
             events = read_events(cluster.events)
             timeline["compile_cold_s"] = compile_cold_s(marks, events)
@@ -114,6 +119,20 @@ def training_gap(marks: list[dict], after: float) -> float | None:
     first = next((m for m in steps if m["event"] == "first_step_done" and m["time"] > after), None)
     before = [m["time"] for m in steps if first is not None and m["time"] < first["time"]]
     return first["time"] - before[-1] if before else None
+
+
+def steps_after_recovery(marks: list[dict], fault_at: float, count: int) -> list[float] | None:
+    """The times of the ``count`` steps rank 0 finished after the recovered job's first step (after
+    a fault at ``fault_at``), each since the step before; None until there are that many at its
+    world size."""
+    steps = sorted((m for m in marks if m["event"] in ("step", "first_step_done")), key=lambda m: m["time"])
+    first = next((i for i, m in enumerate(steps) if m["event"] == "first_step_done" and m["time"] > fault_at), None)
+    if first is None:
+        return None
+    following = steps[first:first + count + 1]
+    if len(following) <= count or any(m["world_size"] != steps[first]["world_size"] for m in following):
+        return None
+    return [b["time"] - a["time"] for a, b in zip(following, following[1:])]
 
 
 def steady_step_s(marks: list[dict], before: float) -> float | None:
