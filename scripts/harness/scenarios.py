@@ -80,9 +80,10 @@ def run_scenarios(args: argparse.Namespace, work: Path) -> list[dict]:
             timeline["stall_s"] = training_gap(marks, fault_at)
             timeline["step_s"] = steady_step_s(marks, fault_at)
             timeline["resume_s"] = timeline["recovery_s"] - (timeline["step_s"] or 0.0)
-            if args.steps_after:
-                gaps = cluster.wait_for(lambda marks, t=fault_at: steps_after_recovery(marks, t, args.steps_after),
-                                        args.timeout, f"{args.steps_after} steps after the recovery", path=cluster.marks)
+            steps_after = getattr(args, "steps_after", 0)
+            if steps_after:
+                gaps = cluster.wait_for(lambda marks, t=fault_at: steps_after_recovery(marks, t, steps_after),
+                                        args.timeout, f"{steps_after} steps after the recovery", path=cluster.marks)
                 timeline["new_world_step_s"] = statistics.median(gaps)
                 timeline["resume_new_world_s"] = timeline["recovery_s"] - timeline["new_world_step_s"]
             split_compile(timeline, marks, fault_at)
