@@ -130,8 +130,8 @@ def _check_tiling(pieces: list[_Piece], shape: tuple[int, ...]) -> None:
                                    f"and {piece.owner} at offsets {list(piece.offsets)} of sizes "
                                    f"{list(piece.sizes)}, which overlap")
             open_pieces.append(piece)
-    _require(stored == math.prod(shape), f"has chunks holding {stored} of its {math.prod(shape)} elements "
-                                         f"(shape {list(shape)})")
+    if stored != math.prod(shape):
+        raise _Damaged(f"has chunks holding {stored} of its {math.prod(shape)} elements (shape {list(shape)})")
 
 
 def _require(condition: bool, problem: str) -> None:
@@ -247,5 +247,6 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def _listed(values: Any, what: str) -> Sequence[Any]:
-    _require(isinstance(values, list), f"has {what} that are not a list")
+    if not isinstance(values, list):
+        raise _Damaged(f"has {what} that are not a list")
     return values

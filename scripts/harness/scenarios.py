@@ -116,24 +116,29 @@ def training_gap(marks: list[dict], after: float) -> float | None:
     finished before the recovered job's first step to that first step (None before it). For a
     kill it is about the recovery; for a join, whose new node starts while the job trains on, it
     is the job's own pause."""
-    steps = sorted((m for m in marks if m["event"] in ("step", "first_step_done")), key=lambda m: m["time"])
-    first = next((m for m in steps if m["event"] == "first_step_done" and m["time"] > after), None)
-    before = [m["time"] for m in steps if first is not None and m["time"] < first["time"]]
-    return first["time"] - before[-1] if before else None
+    steps, first = _steps_and_recovered_first(marks, after)
+    return steps[first]["time"] - steps[first - 1]["time"] if first else None
 
 
 def steps_after_recovery(marks: list[dict], fault_at: float, count: int) -> list[float] | None:
     """The times of the ``count`` steps rank 0 finished after the recovered job's first step (after
     a fault at ``fault_at``), each since the step before; None until there are that many at its
     world size."""
-    steps = sorted((m for m in marks if m["event"] in ("step", "first_step_done")), key=lambda m: m["time"])
-    first = next((i for i, m in enumerate(steps) if m["event"] == "first_step_done" and m["time"] > fault_at), None)
+    steps, first = _steps_and_recovered_first(marks, fault_at)
     if first is None:
         return None
     following = steps[first:first + count + 1]
     if len(following) <= count or any(m["world_size"] != steps[first]["world_size"] for m in following):
         return None
     return [b["time"] - a["time"] for a, b in zip(following, following[1:])]
+
+
+def _steps_and_recovered_first(marks: list[dict], after: float) -> tuple[list[dict], int | None]:
+    """Rank 0's step marks in time order, and the index of the recovered job's first step after
+    ``after`` (None before it)."""
+    steps = sorted((m for m in marks if m["event"] in ("step", "first_step_done")), key=lambda m: m["time"])
+    first = next((i for i, m in enumerate(steps) if m["event"] == "first_step_done" and m["time"] > after), None)
+    return steps, first
 
 
 def steady_step_s(marks: list[dict], before: float) -> float | None:
