@@ -44,6 +44,7 @@ from torch.distributed.elastic.agent.server.api import (
     RunResult,
     Worker,
     WorkerGroup,
+    WorkerSpec,
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -104,6 +105,8 @@ class RecoveryAgent(LocalElasticAgent):
         self._worker_store: dist.TCPStore | None = None
         self._restore_from: str = ""
         self._round: int | None = None
+        self._round_nodes: frozenset[str] = frozenset()
+        """The other participants of the round this node last joined, as its rendezvous completed."""
         self._finished_round: FinishedRound | None = None
         """This node's last round, whose keys go once a later round formed."""
         self._keys_to_delete: FinishedRound | None = None
@@ -513,6 +516,30 @@ class RecoveryAgent(LocalElasticAgent):
                     raise
                 self.events.record("round_left_behind", error=str(exc))
 
+    def _round_broken(self) -> str | None:
+        """Why the round this node last joined cannot start, if it cannot: the rendezvous moved on
+        without this node, or a participant died after the round completed (its heartbeats lapsed,
+        or its agent's connection closed). The keys the round's agents were to set never come."""
+        if self._left_behind():  # its sync also feeds the ledger
+            return "the rendezvous round moved on without this node"
+        if self._executor is None:
+            return None
+        dead = sorted(node for node in self._round_nodes if self._executor.ledger.is_dead(node))
+        return f"participant {', '.join(dead)} of the round died after it completed" if dead else None
+
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Worker]:
+        """torch's assignment of worker ranks, once the keys it reads are set (each node's role, on
+        the round's first node; the ranks that node assigned, on the others). torch reads them with
+        blocking calls, which waited out the store's timeout (60 s) when a participant died between
+        the round's completion and its write; this wait gives up as soon as the round is broken."""
+        assignment = torch_private.rank_assignment_keys(spec, group_rank, group_world_size)
+        if assignment is not None:
+            own_key, own_role, read = assignment
+            store.set(own_key, own_role)
+            round_values.wait_for_keys(store, read, self._round_broken)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+
     def _left_behind(self) -> bool:
         """Whether the rendezvous is past the round this node last joined (with or without it)."""
         completed = self._executor.completed_round if self._executor is not None else None
@@ -576,7 +603,7 @@ class RecoveryAgent(LocalElasticAgent):
         if worker_group.group_rank == 0:
             self._worker_store = tcp_store_on(worker_group.master_addr)
             store.set(WORKER_STORE_KEY, f"{worker_group.master_addr} {self._worker_store.port}")
-        published = round_values.wait_for_value(store, WORKER_STORE_KEY, self._left_behind)
+        published = round_values.wait_for_value(store, WORKER_STORE_KEY, self._round_broken)
         worker_group.master_addr, worker_group.master_port = round_values.worker_store_address(WORKER_STORE_KEY,
                                                                                                published)
 
@@ -602,7 +629,7 @@ class RecoveryAgent(LocalElasticAgent):
                 if in_memory is not None and (not committed or in_memory.snapshot.step >= committed[-1][0]):
                     chosen = MEMORY_CHOICE + in_memory.to_json()
             store.set(RESTORE_FROM_KEY, chosen)
-        chosen = round_values.wait_for_value(store, RESTORE_FROM_KEY, self._left_behind)
+        chosen = round_values.wait_for_value(store, RESTORE_FROM_KEY, self._round_broken)
         self._restore_source = "memory" if chosen.startswith(MEMORY_CHOICE) else "storage"
         if self._restore_source == "storage":
             path = round_values.storage_choice(RESTORE_FROM_KEY, chosen, directory)
@@ -833,6 +860,8 @@ class RecoveryAgent(LocalElasticAgent):
                 self._rehearse_join()
             info = next_rendezvous()
             rendezvoused = True
+            if isinstance(handler, DynamicRendezvousHandler):
+                self._round_nodes = torch_private.round_participants(handler) - {torch_private.this_node(handler)}
             if self._executor is not None:
                 self._executor.rejoining = True
             if info.rank == 0 and isinstance(handler, DynamicRendezvousHandler):

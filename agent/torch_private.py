@@ -18,6 +18,7 @@ still importing (it loads the etcd3 backend, an entry point, from there).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import warnings
@@ -46,6 +47,7 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config as parse_rendezvous_config
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 __all__ = ["DistributedRendezvousOpExecutor", "NodeDesc", "RendezvousAction", "RendezvousContext",
@@ -59,7 +61,10 @@ _OP_EXECUTOR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous._Distrib
 _SUBPROCESS_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler.SubprocessHandler"
 
 PRIVATE_METHODS: dict[str, dict[str, str]] = {
-    _AGENT: {  # RecoveryAgent overrides the first seven (torch's run loop calls them) and calls the rest
+    _AGENT: {  # RecoveryAgent overrides the first eight (torch's run loop calls them) and calls the rest
+        "_assign_worker_ranks": "(self, store, group_rank: int, group_world_size: int, "
+                                "spec: torch.distributed.elastic.agent.server.api.WorkerSpec) -> "
+                                "list[torch.distributed.elastic.agent.server.api.Worker]",
         "_initialize_workers": "(self, worker_group: torch.distributed.elastic.agent.server.api.WorkerGroup) -> None",
         "_invoke_run": "(self, role: str = 'default') -> torch.distributed.elastic.agent.server.api.RunResult",
         "_monitor_workers": "(self, worker_group: 'WorkerGroup') -> 'RunResult'",
@@ -206,14 +211,32 @@ def c10d_state_key(run_id: str) -> str:
     return f"torch.rendezvous.{run_id}"
 
 
+_ROLE_INFO, _ASSIGNED_RANKS = "torchelastic/role_info/{}", "torchelastic/assigned_ranks/{}"
+"""The keys of torch's rank assignment in a round's store, by node (group rank)."""
+
 C10D_NO_STATE = C10dRendezvousBackend._NULL_SENTINEL.encode()
 """What torch's c10d backend stores as the state until a node writes one."""
+
+
+def rank_assignment_keys(spec: WorkerSpec, group_rank: int, group_world_size: int) -> tuple[str, bytes, list[str]] | None:
+    """What torch's ``SimpleElasticAgent._assign_worker_ranks`` writes in a round's store, and then
+    reads with a blocking call: this node's role key and value, and the keys it reads (every node's
+    role on the round's first node, the ranks that node assigned it on the others). None where torch
+    uses no store for it (``TORCH_ELASTIC_WORKER_IDENTICAL=1``)."""
+    from torch.distributed.elastic.agent.server.api import _RoleInstanceInfo as RoleInstanceInfo
+
+    if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
+        return None
+    role = _ROLE_INFO.format(group_rank), RoleInstanceInfo(spec.role, group_rank, spec.local_world_size).serialize()
+    if group_rank == 0:
+        return (*role, [_ROLE_INFO.format(rank) for rank in range(group_world_size)])
+    return (*role, [_ASSIGNED_RANKS.format(group_rank)])
 
 
 def torch_round_keys(nodes: int) -> list[str]:
     """The keys torch's agent writes in a round's store of ``nodes`` nodes: each node's role and
     assigned ranks (``SimpleElasticAgent._assign_worker_ranks``), the bootstrap store's address."""
-    per_node = ("torchelastic/role_info/{}", "torchelastic/assigned_ranks/{}")
+    per_node = (_ROLE_INFO, _ASSIGNED_RANKS)
     return ([name.format(rank) for rank in range(nodes) for name in per_node]
             + [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY])
 
@@ -239,6 +262,11 @@ def synced_state(handler: DynamicRendezvousHandler) -> Iterator[Any]:
         holder = handler._state_holder
         holder.sync()
         yield holder
+
+
+def round_participants(handler: DynamicRendezvousHandler) -> frozenset[str]:
+    """The participants of the round in ``handler``'s state as last synced (by its rendezvous, say)."""
+    return frozenset(str(node) for node in handler._state_holder.state.participants)
 
 
 def state_backend(handler: DynamicRendezvousHandler) -> Any:

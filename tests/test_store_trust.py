@@ -7,7 +7,8 @@
 * The snapshot a round's leader chose is a ``step_<N>`` name each node resolves under its own
   checkpoint dir (or a memory snapshot under its memory directory), the workers' store a host and
   a port: anything else is refused with the key, the value and what to do.
-* A node the round moved on without stops waiting for the old round's values (they get deleted).
+* A node the round moved on without stops waiting for the old round's values (they get deleted),
+  and so does one whose round lost a participant before it wrote its part (torch's rank assignment).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import pickle
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -31,6 +33,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from agent.config import JobConfig
+from agent.events import read_events
 from agent.recovery_agent import RecoveryAgent
 from agent.rendezvous import round_values
 from agent.rendezvous.etcd3_backend import create_etcd3_handler, options_from
@@ -180,11 +183,104 @@ def test_a_value_the_round_moved_on_from_is_not_waited_for(store):
     moved_on = threading.Event()
     threading.Timer(0.5, moved_on.set).start()
     started = time.monotonic()
-    with pytest.raises(RoundLeftBehind, match=f"moved on without this node while it waited for {RESTORE_FROM_KEY}"):
-        round_values.wait_for_value(round_store, RESTORE_FROM_KEY, moved_on.is_set)
+    with pytest.raises(RoundLeftBehind, match=f"moved on without this node: this node stops waiting for {RESTORE_FROM_KEY}"):
+        round_values.wait_for_value(round_store, RESTORE_FROM_KEY,
+                                    lambda: "the round moved on without this node" if moved_on.is_set() else None)
     assert time.monotonic() - started < store.timeout.total_seconds() / 2  # not the store's timeout
     threading.Timer(0.2, lambda: round_store.set(RESTORE_FROM_KEY, "step_1")).start()
-    assert round_values.wait_for_value(round_store, RESTORE_FROM_KEY, lambda: False) == "step_1"
+    assert round_values.wait_for_value(round_store, RESTORE_FROM_KEY, lambda: None) == "step_1"
+
+
+@pytest.mark.parametrize(("group_rank", "waited_for"), [(0, "torchelastic/role_info/1"),
+                                                         (1, "torchelastic/assigned_ranks/1")])
+@pytest.mark.parametrize("death", ["connection closed", "heartbeats lapsed"])
+def test_the_ranks_assignment_gives_up_on_a_participant_that_died_after_the_round(follower, group_rank, waited_for,
+                                                                                  death):
+    # torch's own assignment reads these keys with blocking calls: 60 s (the store's timeout) for a
+    # participant that died between the round's completion and its write.
+    agent = follower()
+    group = agent._worker_group
+    ledger = agent._executor.ledger
+    agent._round_nodes = frozenset({"peer_1_0"})
+    ledger.saw({"peer_1_0": time.time()})
+    started = time.monotonic()
+    threading.Timer(0.3, lambda: ledger.declare_dead("peer_1_0") if death == "connection closed"
+                    else ledger.saw({"peer_1_0": time.time() - 100})).start()
+    if death == "heartbeats lapsed":
+        ledger.heartbeat_timeout = 0.5
+    with pytest.raises(RoundLeftBehind, match=f"participant peer_1_0 of the round died after it completed: this "
+                                              f"node stops waiting for {waited_for} and joins the next round"):
+        agent._assign_worker_ranks(group.store, group_rank, 2, group.spec)
+    assert time.monotonic() - started < 5
+    assert group.store.check([f"torchelastic/role_info/{group_rank}"])  # its own part was written
+
+
+DIES_AFTER_THE_ROUND = """import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from agent.rendezvous.prompt import PromptOpExecutor
+client = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+params = RendezvousParameters(backend="c10d", endpoint="", run_id="dies", min_nodes=1, max_nodes=2,
+                              keep_alive_interval=1, keep_alive_max_attempt=3)
+handler = create_handler(client, C10dRendezvousBackend(client, "dies"), params)
+PromptOpExecutor.install(handler, poll_interval=0.02)  # a torchrevive node's rendezvous
+handler.next_rendezvous()
+print("in the round", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_node_that_dies_after_the_round_completes_leaves_the_survivor_to_the_next_round(store, tmp_path):
+    # A real agent and a node that dies between the round's completion and its part of torch's rank
+    # assignment (killed once its rendezvous returned): the agent moves on to a round of its own at
+    # once, instead of waiting out the store's timeout (60 s) in torch's blocking read of the dead
+    # node's role.
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="dies", min_nodes=1,
+                                  max_nodes=2, keep_alive_interval=1, keep_alive_max_attempt=3)
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+    job = JobConfig()
+    job.launch.warm_workers = False
+    job.observability.event_log = str(tmp_path / "events.jsonl")
+    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"),
+                      rdzv_handler=create_handler(client, C10dRendezvousBackend(client, "dies"), params))
+    agent = RecoveryAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), job=job,
+                          config_path=str(tmp_path / "job.yaml"))
+    other = subprocess.Popen([sys.executable, "-c", DIES_AFTER_THE_ROUND, str(store.port)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        threading.Thread(target=lambda: other.stdout.readline() and other.kill(), daemon=True).start()
+        started = time.monotonic()
+        agent._rendezvous(agent._worker_group)
+        took = time.monotonic() - started
+    finally:
+        other.kill()
+        agent._watch.close()
+        agent._liveness.close()
+    events = read_events(tmp_path / "events.jsonl")
+    (left,) = [e for e in events if e["event"] == "round_left_behind"]
+    assert re.search(r"participant \S+ of the round died after it completed: this node stops waiting for "
+                     r"torchelastic/role_info/1 and joins the next round", left["error"]), left
+    (formed,) = [e for e in events if e["event"] == "rendezvous_done"]
+    assert formed["round"] == 1 and formed["world_size"] == 1 and formed["nodes"] == [agent._watch.node]
+    assert took < 20, took
+
+
+def test_the_ranks_are_assigned_when_every_participant_wrote(follower):
+    leader, other = follower(), follower()
+    leader._round_nodes, other._round_nodes = frozenset({"peer_1_0"}), frozenset({"peer_0_0"})
+    for agent in (leader, other):
+        agent._executor.ledger.saw({"peer_0_0": time.time(), "peer_1_0": time.time()})
+    assigned = {}
+    thread = threading.Thread(target=lambda: assigned.update(
+        other=other._assign_worker_ranks(other._worker_group.store, 1, 2, other._worker_group.spec)))
+    thread.start()
+    workers = leader._assign_worker_ranks(leader._worker_group.store, 0, 2, leader._worker_group.spec)
+    thread.join(timeout=30)
+    assert [(w.global_rank, w.world_size) for w in workers] == [(0, 2)]
+    assert [(w.global_rank, w.world_size) for w in assigned["other"]] == [(1, 2)]
 
 
 # -- a round's keys go once the next round formed ----------------------------------------------------

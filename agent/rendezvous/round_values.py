@@ -6,8 +6,9 @@ holds etcd write access) must not steer an agent to a path or a peer of its choo
   ``checkpoint.dir``, or a memory snapshot (``r<round>/step_<N>``) under its own memory directory;
   nothing that resolves elsewhere (``..``, an absolute path, a symlink out) is accepted.
 * The workers' store is ``host port``: a host name or address and a port, nothing else.
-* A value a round's leader has not written yet is waited for, unless the round moved on without
-  this node meanwhile: the next round deletes the old round's keys (:mod:`agent.rendezvous.round_keys`).
+* A value a round's agents have not written yet is waited for, unless the round moved on without
+  this node meanwhile (the next round deletes the old round's keys, :mod:`agent.rendezvous.round_keys`)
+  or one of its participants died: nobody is left to write it.
 
 Each refusal is one RendezvousStateError naming the key, the value and what to do.
 """
@@ -107,20 +108,32 @@ def _valid_host(host: str) -> bool:
         return _HOST_NAME.fullmatch(host) is not None and ".." not in host
 
 
-def wait_for_value(store: Any, key: str, left_behind: Callable[[], bool]) -> str:
-    """``key``'s value in a round's ``store``, once the round's leader has set it (within the store's
-    timeout). RoundLeftBehind as soon as ``left_behind()`` while waiting: the round moved on
-    without this node, and the next round may have deleted the key. Polls with ``check``: a
-    blocking ``get`` would wait out the store's whole timeout for a deleted key."""
+def wait_for_value(store: Any, key: str, broken: Callable[[], str | None]) -> str:
+    """``key``'s value in a round's ``store``, once the round's leader has set it: see
+    :func:`wait_for_keys`."""
+    wait_for_keys(store, [key], broken)
+    return store.get(key).decode()
+
+
+def wait_for_keys(store: Any, keys: list[str], broken: Callable[[], str | None]) -> None:
+    """Return once the round's agents have set every one of ``keys`` in its ``store`` (within the
+    store's timeout). RoundLeftBehind as soon as ``broken()`` says why they never will: the round
+    moved on without this node (the next round may have deleted them), or a participant died after
+    the round completed. Polls with ``check``: a blocking ``get`` would wait out the store's whole
+    timeout (60 s) for a key nobody is left to write."""
     deadline = time.monotonic() + store.timeout.total_seconds()
     delay = _FIRST_POLL_S
-    while not store.check([key]):
-        if delay >= _MAX_POLL_S and left_behind():
-            raise RoundLeftBehind(f"the rendezvous round moved on without this node while it waited for {key}; "
-                                  "it joins the next round")
+    while not store.check(keys):
+        reason = broken() if delay >= _MAX_POLL_S else None
+        if reason is not None:
+            raise RoundLeftBehind(f"{reason}: this node stops waiting for {_missing(store, keys)} and joins the "
+                                  "next round")
         if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"the round's leader did not set {key} in the rendezvous store within "
+            raise dist.DistStoreError(f"{_missing(store, keys)} not set in the rendezvous store within "
                                       f"{store.timeout.total_seconds():.0f} s")
         time.sleep(delay)
         delay = min(_MAX_POLL_S, delay * 2)
-    return store.get(key).decode()
+
+
+def _missing(store: Any, keys: list[str]) -> str:
+    return ", ".join(key for key in keys if not store.check([key]))
