@@ -33,8 +33,9 @@ is reachable, and the monitor loop must not wait out an outage."""
 
 Cause = Literal["node_lost", "node_hung", "node_joined", "round_advanced", "worker_failed"]
 """node_lost: a participant's heartbeats lapsed (killed, frozen or cut off: from the survivors'
-side these look alike), or a peer moved the round on without it; node_hung: this node finds itself
-out of the round it was running, so it was the unresponsive one (frozen, then thawed); node_joined:
+side these look alike), or a peer moved the round on without it or dropped it from the round as
+dead; node_hung: this node finds itself out of the round it was running, so it was the
+unresponsive one (frozen, then thawed); node_joined:
 nodes wait to join (new nodes, or peers that left the round by themselves to rejoin);
 round_advanced: a peer moved the round on (for a change it saw first, or a failed worker of its
 own) and carried this node into it, losing nobody; worker_failed: a local worker failed while
@@ -230,12 +231,13 @@ class MembershipWatch:
             if gone:
                 return Change("node_lost", lost=gone, failed_at=self.last_heartbeat(gone), workers_blocked=workers_healthy)
             return Change("round_advanced", joined=current.participants - self._round.participants)
-        lost = frozenset(node for node in gone if self._ledger.is_dead(node))
+        # A participant gone from the round with a current heartbeat here either left by itself,
+        # torch's way, and waits to rejoin (a prompt executor moves the round on instead, unless the
+        # round it leaves never completed), or was dropped by a peer that saw it die first (its
+        # connection closed there): this node's own connection to it may not have told it yet.
+        lost = frozenset(node for node in gone if self._ledger.is_dead(node) or node not in current.waiting)
         if lost:
             return Change("node_lost", lost=lost, failed_at=self.last_heartbeat(lost), workers_blocked=workers_healthy)
-        # A participant that left with a current heartbeat left by itself, torch's way (a prompt
-        # executor moves the round on instead, unless the round it leaves never completed): its
-        # agent is restarting and rejoins through the wait list.
         if current.waiting or gone:
             return Change("node_joined", joined=current.waiting | gone, left=gone)
         return None

@@ -221,6 +221,33 @@ def test_a_node_declared_dead_is_lost_at_once_and_dropped_from_the_round(store, 
     watch.close()
 
 
+def test_a_participant_a_peer_dropped_as_dead_is_lost_here_too(store, make_node):
+    # Node 1's connection to node 2 closed first: it drops node 2 from the stored round. Node 0 still
+    # holds a current heartbeat of node 2 (its own connection has not told it yet), and node 2 waits
+    # to rejoin nowhere: lost, not a node that left by itself to rejoin.
+    nodes = [make_node(keep_alive_max_attempt=60) for _ in range(3)]
+    handlers = formed(nodes)
+    watches = [MembershipWatch(handlers[i], ledger=nodes[i][1].ledger, poll_interval=0.05) for i in (0, 1)]
+    for watch in watches:
+        watch.start_round()
+    dead = str(handlers[2]._this_node)
+    handlers[2]._stop_heartbeats()
+    watches[1].declare_dead(dead, at=time.time())  # node 1's watch drops it from the round and writes that back
+    try:
+        until(lambda: dead not in {str(n) for n in stored_state(store).participants},
+              "node 1 never dropped the node declared dead from the stored round")
+        changes = []
+        until(lambda: changes.append(watches[0].check(workers_healthy=True, now=True)) or changes[-1] is not None,
+              "node 0's watch never saw the change")
+        change = changes[-1]
+        assert not nodes[0][1].ledger.is_dead(dead)  # node 0's ledger alone would not call it dead
+        assert change is not None and (change.cause, change.lost, change.left) == ("node_lost", {dead}, frozenset())
+        assert not change.by_connection
+    finally:
+        for watch in watches:
+            watch.close()
+
+
 def test_a_heartbeat_newer_than_a_declaration_undoes_it():
     # A connection can end while its agent lives (a reset on the way): its next heartbeat says so.
     ledger = NodeLedger(heartbeat_timeout=3.0)

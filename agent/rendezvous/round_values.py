@@ -136,4 +136,5 @@ def wait_for_keys(store: Any, keys: list[str], broken: Callable[[], str | None])
 
 
 def _missing(store: Any, keys: list[str]) -> str:
-    return ", ".join(key for key in keys if not store.check([key]))
+    """The keys of ``keys`` not set in ``store`` (all of them, if every one was set meanwhile)."""
+    return ", ".join([key for key in keys if not store.check([key])] or keys)
