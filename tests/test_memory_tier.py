@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -79,9 +80,22 @@ def as_memory_snapshot_of(snapshot: Path, run: str) -> None:
     (snapshot / COMMIT_MARKER).write_text(json.dumps({**marker, "tier": "memory", "run": run}))
 
 
-def committed_in_memory_after_storage(events: list[dict]) -> list[dict]:
-    storage = max((e["step"] for e in events if e["event"] == "save_committed"), default=None)
-    return [e for e in events if e["event"] == "memory_save_committed" and storage is not None and e["step"] > storage + 2]
+def in_memory_after_storage(since: float) -> Callable[[list[dict]], list[dict]]:
+    """Whether ``events`` hold a memory snapshot committed after ``since`` (when the round of every
+    node formed: one of an earlier, smaller round holds nothing of a node that joined since) and
+    newer than storage's newest."""
+
+    def committed(events: list[dict]) -> list[dict]:
+        storage = max((e["step"] for e in events if e["event"] == "save_committed"), default=None)
+        return [e for e in events if e["event"] == "memory_save_committed" and e["time"] > since
+                and storage is not None and e["step"] > storage + 2]
+
+    return committed
+
+
+def round_of_three(cluster: Cluster) -> float:
+    """When the round of all three nodes formed (the first round may form with two)."""
+    return max(e["time"] for e in cluster.wait_for_round_of(3, 120))
 
 
 def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tmp_path):
@@ -91,8 +105,8 @@ def test_a_lost_node_resumes_from_memory_and_trains_on_as_if_nothing_happened(tm
     cluster = Cluster(args, faulty)
     try:
         cluster.start_all(3)
-        cluster.wait_for_round_of(3, 120)  # the first round may form with two
-        cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
+        formed = round_of_three(cluster)
+        cluster.wait_for(in_memory_after_storage(formed), 120, "a memory snapshot of three nodes, newer than storage's")
         lost_at = time.time()
         cluster.kill(2)
         assert cluster.wait_done(240) == [0, 0]
@@ -162,8 +176,8 @@ def test_two_buddies_lost_together_restore_from_storage(tmp_path):
     cluster = Cluster(memory_args(), tmp_path)
     try:
         cluster.start_all(3)
-        cluster.wait_for_round_of(3, 120)  # the first round may form with two
-        cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
+        formed = round_of_three(cluster)
+        cluster.wait_for(in_memory_after_storage(formed), 120, "a memory snapshot of three nodes, newer than storage's")
         lost_at = time.time()
         cluster.kill(1)
         cluster.kill(2)
@@ -181,8 +195,8 @@ def test_a_damaged_memory_file_falls_back_to_storage(tmp_path):
     cluster = Cluster(memory_args(), tmp_path)
     try:
         cluster.start_all(3)
-        cluster.wait_for_round_of(3, 120)  # the first round may form with two
-        cluster.wait_for(committed_in_memory_after_storage, 120, "a memory snapshot newer than storage's")
+        formed = round_of_three(cluster)
+        cluster.wait_for(in_memory_after_storage(formed), 120, "a memory snapshot of three nodes, newer than storage's")
         workers = [p for i in (0, 1, 2) for p in cluster.pids(i) if p != cluster.nodes[i].pid]
         for pid in workers:  # training pauses: no newer memory snapshot replaces the damaged one
             os.kill(pid, signal.SIGSTOP)

@@ -261,8 +261,10 @@ def test_a_node_that_dies_after_the_round_completes_leaves_the_survivor_to_the_n
         agent._liveness.close()
     events = read_events(tmp_path / "events.jsonl")
     (left,) = [e for e in events if e["event"] == "round_left_behind"]
+    # The agent is the round's first node (it waited for the other's role) or the second (for the
+    # ranks the first was to assign it), as the nodes' names fall.
     assert re.search(r"participant \S+ of the round died after it completed: this node stops waiting for "
-                     r"torchelastic/role_info/1 and joins the next round", left["error"]), left
+                     r"torchelastic/(role_info/1|assigned_ranks/1) and joins the next round", left["error"]), left
     (formed,) = [e for e in events if e["event"] == "rendezvous_done"]
     assert formed["round"] == 1 and formed["world_size"] == 1 and formed["nodes"] == [agent._watch.node]
     assert took < 20, took
