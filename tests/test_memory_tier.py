@@ -81,9 +81,9 @@ def as_memory_snapshot_of(snapshot: Path, run: str) -> None:
 
 
 def in_memory_after_storage(since: float) -> Callable[[list[dict]], list[dict]]:
-    """Whether ``events`` hold a memory snapshot committed after ``since`` (when the round of every
-    node formed: one of an earlier, smaller round holds nothing of a node that joined since) and
-    newer than storage's newest."""
+    """A predicate of a job's events: their memory snapshots committed after ``since`` (when the
+    round of every node formed: one of an earlier, smaller round holds nothing of a node that joined
+    since) and newer than storage's newest."""
 
     def committed(events: list[dict]) -> list[dict]:
         storage = max((e["step"] for e in events if e["event"] == "save_committed"), default=None)
