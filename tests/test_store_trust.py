@@ -101,6 +101,21 @@ def test_an_etcd3_handler_refuses_a_state_that_would_run_code(etcd, tmp_path, he
 # -- the round's values: read as data, checked -------------------------------------------------------
 
 
+def agent_on(store: TCPStore, run_id: str, job: JobConfig, tmp_path: Path,
+             **settings: float) -> tuple[RecoveryAgent, TCPStore]:
+    """A real RecoveryAgent of run ``run_id`` (c10d handler on ``store``, up to two nodes, torch's
+    rendezvous ``settings``; no warm workers), and its store client."""
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id=run_id,
+                                  min_nodes=1, max_nodes=2, **settings)
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+    job.launch.warm_workers = False
+    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"),
+                      rdzv_handler=create_handler(client, C10dRendezvousBackend(client, run_id), params))
+    agent = RecoveryAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), job=job,
+                          config_path=str(tmp_path / "job.yaml"))
+    return agent, client
+
+
 @pytest.fixture
 def follower(store, tmp_path):
     """A real RecoveryAgent (c10d handler on the test's store, no workers started), as a
@@ -108,17 +123,9 @@ def follower(store, tmp_path):
     made = []
 
     def make(checkpoint_dir: Path | None = None) -> RecoveryAgent:
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="trust",
-                                      min_nodes=1, max_nodes=2)
-        client = TCPStore("127.0.0.1", store.port, is_master=False)
-        handler = create_handler(client, C10dRendezvousBackend(client, "trust"), params)
         job = JobConfig()
-        job.launch.warm_workers = False
         job.checkpoint.dir = None if checkpoint_dir is None else str(checkpoint_dir)
-        spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"),
-                          rdzv_handler=handler)
-        agent = RecoveryAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), job=job,
-                              config_path=str(tmp_path / "job.yaml"))
+        agent, client = agent_on(store, "trust", job, tmp_path)
         made.append(agent)
         group = agent._worker_group
         group.store, group.group_rank = PrefixStore("torch.rendezvous.trust.1", client), 1
@@ -238,16 +245,9 @@ def test_a_node_that_dies_after_the_round_completes_leaves_the_survivor_to_the_n
     # assignment (killed once its rendezvous returned): the agent moves on to a round of its own at
     # once, instead of waiting out the store's timeout (60 s) in torch's blocking read of the dead
     # node's role.
-    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="dies", min_nodes=1,
-                                  max_nodes=2, keep_alive_interval=1, keep_alive_max_attempt=3)
-    client = TCPStore("127.0.0.1", store.port, is_master=False)
     job = JobConfig()
-    job.launch.warm_workers = False
     job.observability.event_log = str(tmp_path / "events.jsonl")
-    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"),
-                      rdzv_handler=create_handler(client, C10dRendezvousBackend(client, "dies"), params))
-    agent = RecoveryAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), job=job,
-                          config_path=str(tmp_path / "job.yaml"))
+    agent, _ = agent_on(store, "dies", job, tmp_path, keep_alive_interval=1, keep_alive_max_attempt=3)
     other = subprocess.Popen([sys.executable, "-c", DIES_AFTER_THE_ROUND, str(store.port)], cwd=REPO,
                              stdout=subprocess.PIPE, text=True)
     try:
