@@ -222,6 +222,9 @@ class CheckpointSection(_Section):
     (training's priority) to 19, or idle (Linux's SCHED_IDLE: only on CPU time training leaves)."""
     write_threads: int = 2
     """Snapshot writes in flight at once per rank (torchsnapshot's default: 16)."""
+    direct_io: bool = True
+    """Write snapshot files around the page cache (O_DIRECT) where the file system allows it: less
+    CPU taken from training while a save runs; a restore on the same node then reads the disk."""
     memory_interval_steps: int = 0
     """A memory snapshot (node RAM, with a replica on a peer node) every this many steps; 0: off."""
     memory_dir: str | None = None

@@ -8,7 +8,8 @@ need one), the methods interleaved in a rotating order, median over the rounds.
 Writes {"size_bytes", "results": {M: {"blocking_s", "done_s", "durable_s", "first_blocking_s",
 "slowdown", ...}}, ...}
 for M in torchrevive (its defaults: writer threads at niceness 10, 2 writes in flight, tensors under
-4 MB batched), torchrevive_idle (the writer threads under SCHED_IDLE instead), torchrevive_nice19
+4 MB batched, files written around the page cache), torchrevive_buffered (through the page cache,
+``direct_io=False``), torchrevive_idle (the writer threads under SCHED_IDLE instead), torchrevive_nice19
 (at niceness 19), torchrevive_io1 (1 write in flight),
 torchrevive_slabs128 (torchsnapshot's own batching, of tensors under 128 MB: the earlier default),
 torchsnapshot_take,
@@ -47,7 +48,8 @@ import torch.distributed as dist
 from harness.bench_state import WIDTH, build_state, dcp_state, machine, state_bytes
 
 TORCHREVIVE_VARIANTS: dict[str, dict[str, Any]] = {
-    "torchrevive": {}, "torchrevive_idle": {"writer_nice": "idle"}, "torchrevive_nice19": {"writer_nice": 19},
+    "torchrevive": {}, "torchrevive_buffered": {"direct_io": False}, "torchrevive_idle": {"writer_nice": "idle"},
+    "torchrevive_nice19": {"writer_nice": 19},
     "torchrevive_io1": {"write_threads": 1}, "torchrevive_slabs128": {}}
 """torchrevive's save with its defaults, and each variant's ``Checkpointer`` settings that differ."""
 FSYNCS = {**dict.fromkeys(TORCHREVIVE_VARIANTS, True), "torchsnapshot_take": False,

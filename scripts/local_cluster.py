@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a memory snapshot every K steps (the memory tier; 0: off); each node gets a tmpfs of "
                              "its own in a mount namespace of its own (root)")
     parser.add_argument("--memory-mb", type=int, default=None, help="each node's tmpfs size (default 4x --state-mb)")
+    parser.add_argument("--direct-io", choices=("on", "off"), default="on",
+                        help="snapshot files written around the page cache (checkpoint.direct_io; on: its default) or "
+                             "through it")
     parser.add_argument("--baseline", nargs="?", const="torchrun", default=None, choices=sorted(BASELINES),
                         help="run the same fault on a baseline too (default torchrun with the classic restore)")
     parser.add_argument("--cap-s", type=float, default=120)

@@ -12,8 +12,8 @@ import bench_save
 import pytest
 from conftest import REPO, worker_env
 
-METHODS = {"torchrevive", "torchrevive_idle", "torchrevive_nice19", "torchrevive_io1", "torchrevive_slabs128",
-           "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"}
+METHODS = {"torchrevive", "torchrevive_buffered", "torchrevive_idle", "torchrevive_nice19", "torchrevive_io1",
+           "torchrevive_slabs128", "torchsnapshot_take", "torchsnapshot_async_take", "dcp_save", "dcp_async_save"}
 
 
 def test_bench_save_writes_its_contract(tmp_path):

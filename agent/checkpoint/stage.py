@@ -1,11 +1,12 @@
 """Stage: copy a rank's state into buffers allocated once and reused, so that the training thread
 pays only for a memory copy and the write runs in the background from the copy.
 
-CPU tensors are copied into host buffers by a small thread pool (``Tensor.copy_`` releases the
-GIL); CUDA tensors into pinned host buffers with non-blocking copies on a side stream that first
-waits for the current stream, and the stager waits for that stream once before returning. A
-buffer is reused while the tensor at its logical path keeps its shape and dtype; anything else is
-reallocated. The walk follows torchsnapshot's own flattening (its private helpers, pinned with the
+CPU tensors are copied into page-aligned host buffers (which a write that bypasses the page cache
+takes without a bounce, :mod:`agent.checkpoint.direct_write`) by a small thread pool
+(``Tensor.copy_`` releases the GIL); CUDA tensors into pinned host buffers with non-blocking
+copies on a side stream that first waits for the current stream, and the stager waits for that
+stream once before returning. A buffer is reused while the tensor at its logical path keeps its
+shape and dtype; anything else is reallocated. The walk follows torchsnapshot's own flattening (its private helpers, pinned with the
 version ``compat`` checks), so the manifest is a direct save's; other leaves (step counters,
 objects torchsnapshot pickles whole) are deep-copied.
 """
@@ -23,6 +24,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchsnapshot.flatten import _encode, _should_flatten_dict
 from torchsnapshot.rng_state import RNGState
+
+from agent.checkpoint.direct_write import BLOCK, aligned
 
 
 class FixedState:
@@ -102,7 +105,7 @@ class Stager:
         tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffer = _host_buffer(tensor)
             self._buffers[path] = buffer
         copies.append((buffer, tensor))
         return buffer
@@ -126,6 +129,15 @@ class Stager:
             for buffer, tensor in copies:
                 buffer.copy_(tensor, non_blocking=True)
         self._stream.synchronize()
+
+
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor like ``tensor``: pinned for a CUDA tensor, page-aligned from a block
+    on."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.is_cuda or nbytes < BLOCK:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    return torch.frombuffer(aligned(nbytes), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
 def _copy(buffer: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from torchsnapshot.io_types import ReadIO, StoragePlugin, WriteIO
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from agent.checkpoint.checksums import FileDigest, digest_buffer
+from agent.checkpoint.direct_write import write_durably
 from agent.checkpoint.durable import fsync_dir
 from agent.checkpoint.writer_priority import WriterPriority, lower_thread_priority
 from agent.restore.manifest import METADATA_FILE
@@ -51,6 +52,7 @@ a 2 GB state began 2 s after the call, against 0.2 s, and were durable 3.3x late
 docs/measurements.md)."""
 _RECORD_OPTION = "torchrevive_record"
 _PRIORITY_OPTION = "torchrevive_priority"
+_DIRECT_OPTION = "torchrevive_direct"
 
 
 def limit_write_threads(threads: int) -> None:
@@ -61,17 +63,20 @@ def limit_write_threads(threads: int) -> None:
 
 @dataclass
 class WriteRecord:
-    """What one rank wrote: relative path -> digest, the first error, if any, and the snapshot's
-    metadata when this rank wrote it (rank 0), as written."""
+    """What one rank wrote: relative path -> digest, the first error, if any, the snapshot's
+    metadata when this rank wrote it (rank 0), as written, and how many bytes bypassed the page
+    cache (see :mod:`agent.checkpoint.direct_write`)."""
 
     files: dict[str, FileDigest] = field(default_factory=dict)
     error: str | None = None
     metadata: bytes | None = None
+    direct_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, relative: str, digest: FileDigest) -> None:
+    def add(self, relative: str, digest: FileDigest, direct_bytes: int = 0) -> None:
         with self._lock:
             self.files[relative] = digest
+            self.direct_bytes += direct_bytes
 
     def fail(self, message: str) -> None:
         with self._lock:
@@ -80,13 +85,15 @@ class WriteRecord:
 
 class DurableFSPlugin(StoragePlugin):
     """torchsnapshot's file-system plugin, but each file is fsync'ed, its directory too, and its
-    block digests recorded; errors go to the record (see the module doc)."""
+    block digests recorded; errors go to the record (see the module doc). With the ``direct``
+    option, files bypass the page cache where the file system allows it."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         options = storage_options or {}
         self.root = root
         self.record: WriteRecord = options.get(_RECORD_OPTION) or WriteRecord()
         self.priority: WriterPriority = options.get(_PRIORITY_OPTION, 0)
+        self.direct: bool = options.get(_DIRECT_OPTION, False)
         self._reader = FSStoragePlugin(root)
         self._dirs_made: set[str] = set()
 
@@ -109,15 +116,8 @@ class DurableFSPlugin(StoragePlugin):
         if relative == METADATA_FILE:
             self.record.metadata = bytes(view)  # small; the commit checks it without reading it back
         digest = digest_buffer(view)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.record.add(relative, digest)
+        direct_bytes = write_durably(path, view, direct=self.direct)
+        self.record.add(relative, digest, direct_bytes)
 
     async def read(self, read_io: ReadIO) -> None:
         await self._reader.read(read_io)
@@ -145,10 +145,12 @@ def storage_plugin(path: str, storage_options: dict[str, Any] | None = None) -> 
 
 
 def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[str],
-                   group: dist.ProcessGroup | None, priority: WriterPriority = 0) -> WriteRecord:
+                   group: dist.ProcessGroup | None, priority: WriterPriority = 0,
+                   direct: bool = False) -> WriteRecord:
     """torchsnapshot writes ``app_state`` into ``path`` over ``group``; what this rank wrote. The
-    file writes run at ``priority``; only tensors under :data:`SLAB_THRESHOLD_BYTES` are batched
-    into shared files (unless the environment sets torchsnapshot's threshold).
+    file writes run at ``priority``, and bypass the page cache when ``direct`` (where the file
+    system allows it); only tensors under :data:`SLAB_THRESHOLD_BYTES` are batched into shared files
+    (unless the environment sets torchsnapshot's threshold).
 
     Every rank of ``group`` calls this together. Errors in the files are in the record; anything
     else torchsnapshot raises is recorded too, so that the commit's collective still runs."""
@@ -156,7 +158,8 @@ def write_snapshot(path: Path, app_state: dict[str, Any], *, replicated: list[st
     os.environ.setdefault(SLAB_THRESHOLD_ENV, str(SLAB_THRESHOLD_BYTES))  # read by torchsnapshot at each take
     try:
         torchsnapshot.Snapshot.take(f"{PROTOCOL}://{path}", app_state, pg=group, replicated=replicated,
-                                    storage_options={_RECORD_OPTION: record, _PRIORITY_OPTION: priority})
+                                    storage_options={_RECORD_OPTION: record, _PRIORITY_OPTION: priority,
+                                                     _DIRECT_OPTION: direct})
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the commit
         record.fail(f"torchsnapshot failed writing {path}: {type(exc).__name__}: {exc}")
     return record

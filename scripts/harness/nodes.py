@@ -156,7 +156,8 @@ class Cluster(Nodes):
             "rendezvous": {"backend": args.backend, "endpoint": args.rdzv_endpoint, "conf": self.conf},
             "checkpoint": {"dir": str(work / "checkpoints"), "interval_steps": args.interval_steps,
                            "keep": getattr(args, "keep_snapshots", 2), "memory_interval_steps": self.memory_interval,
-                           "memory_dir": str(self.memory_dir) if self.memory_dir else None},
+                           "memory_dir": str(self.memory_dir) if self.memory_dir else None,
+                           "direct_io": getattr(args, "direct_io", "on") == "on"},
             "elastic": {"stop_grace": 2, "world_size_multiple_of": getattr(args, "multiple_of", 1),
                         "in_process": getattr(args, "in_process", False), **(self.workload.batch or {})},
             "compile": {"share": self.compile_caches is not None},
@@ -190,7 +191,8 @@ class Cluster(Nodes):
     @property
     def peer_config(self) -> dict[str, Any]:
         return {"rendezvous": self.args.backend, "rdzv_conf": self.conf, "stop_grace_s": 2,
-                "liveness": "a TCP connection to every peer agent", "memory_interval_steps": self.memory_interval}
+                "liveness": "a TCP connection to every peer agent", "memory_interval_steps": self.memory_interval,
+                "direct_io": getattr(self.args, "direct_io", "on") == "on"}
 
     def stop(self) -> None:
         super().stop()
