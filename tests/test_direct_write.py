@@ -1,10 +1,13 @@
 """Snapshot files written around the page cache: the bytes are the buffer's whatever its alignment,
 the page cache holds none of a direct write's body (the kernel's own count, mincore), a file system
-without O_DIRECT is written through the page cache, and a save takes the direct path end to end."""
+without O_DIRECT, or refusing a direct write, gets the bytes through the page cache, and a save
+takes the direct path end to end."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import subprocess
@@ -14,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.checkpoint import Checkpointer
+from agent.checkpoint import Checkpointer, direct_write
 from agent.checkpoint.direct_write import BLOCK, aligned, write_durably
 from agent.checkpoint.stage import Stager
 from agent.checkpoint.write import write_snapshot
@@ -116,10 +119,35 @@ def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_pa
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_staged_tensors_from_a_block_on_are_page_aligned_so_direct_writes_skip_the_bounce():
+@pytest.mark.parametrize("refused_after", [0, 1])
+def test_a_file_system_that_refuses_a_direct_write_gets_the_rest_through_the_page_cache(direct_dir, monkeypatch,
+                                                                                        refused_after):
+    """Some file systems take O_DIRECT at open and refuse the writes (EINVAL: they ask for a larger
+    alignment). None is here, so the kernel's refusal is played: direct writes after the first
+    ``refused_after`` fail as such a file system's would, before writing a byte."""
+    real_write = os.write
+    direct_writes = []
+
+    def refusing(fd: int, data) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if len(direct_writes) >= refused_after:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            direct_writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_write.os, "write", refusing)
+    data = random_bytes(2 * (8 << 20) + 777)
+    path = direct_dir / "file"
+    assert write_durably(str(path), memoryview(bytearray(b"x" + data))[1:], direct=True) == sum(direct_writes)
+    assert len(direct_writes) == refused_after  # one bounce buffer's worth went directly, or none
+    assert path.read_bytes() == data
+
+
+def test_staged_tensors_torchsnapshot_writes_from_their_own_buffers_are_page_aligned():
     stager = Stager()
     try:
-        state = {"big": torch.randn(5000), "odd": torch.randn(3, 1001, dtype=torch.float64), "small": torch.randn(7)}
+        state = {"big": torch.randn(1_100_000), "odd": torch.randn(3, 200_001, dtype=torch.float64),
+                 "batched": torch.randn(5000), "small": torch.randn(7)}
         staged = stager.stage({"app": state})["app"].state_dict()
     finally:
         stager.close()
@@ -129,17 +157,27 @@ def test_staged_tensors_from_a_block_on_are_page_aligned_so_direct_writes_skip_t
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_save_writes_its_tensors_directly_only_when_asked_and_restores_the_same(direct_dir, direct):
+def test_a_save_writes_its_tensors_directly_only_when_asked_and_restores_the_same(direct_dir, monkeypatch, direct):
     torch.manual_seed(0)
-    model = nn.Linear(512, 512)
+    model = nn.Linear(1024, 1100)  # a weight above the slab threshold: written from its staged buffer
     record = write_snapshot(direct_dir / "snapshot", {"model": model}, replicated=[], group=None, direct=direct)
     assert record.error is None
-    weight_bytes = 512 * 512 * 4
+    weight_bytes = 1024 * 1100 * 4
     assert (record.direct_bytes >= weight_bytes) if direct else record.direct_bytes == 0
 
+    bodies: list[tuple[bool, int]] = []  # (aligned in memory, length) of each direct write
+    real_write_body = direct_write._write_body
+
+    def noting(fd: int, body: memoryview) -> int:
+        bodies.append((direct_write._address(body) % BLOCK == 0, len(body)))
+        return real_write_body(fd, body)
+
+    monkeypatch.setattr(direct_write, "_write_body", noting)
     checkpointer = Checkpointer(direct_dir / "ckpt", interval_steps=1, direct_io=direct, round=None)
     checkpointer.save(1, {"model": model})
     checkpointer.wait()
-    restored = nn.Linear(512, 512)
+    # The staged weight went to the disk from its own buffer, without the bounce buffer's copy.
+    assert ((True, weight_bytes) in bodies) if direct else bodies == []
+    restored = nn.Linear(1024, 1100)
     assert checkpointer.restore({"model": restored}) == 1
     assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)

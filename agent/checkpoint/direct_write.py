@@ -4,10 +4,12 @@ the file system allows it.
 A buffered write copies every byte into the page cache, whose pages the kernel then allocates,
 writes back and keeps: CPU time and memory traffic taken from training while a background save
 runs, and memory the snapshot's pages crowd. With ``O_DIRECT`` the disk reads the bytes from the
-buffer itself. The kernel asks for block-aligned addresses, offsets and lengths: the aligned body of
-an aligned buffer goes straight to the disk; an unaligned buffer's body goes through a small aligned
-bounce buffer reused per thread; the tail shorter than a block, and any file on a file system that
-refuses ``O_DIRECT`` (tmpfs, some network file systems), are written through the page cache.
+buffer itself. The kernel asks for aligned addresses, offsets and lengths (4 KiB here): the aligned
+body of an aligned buffer goes straight to the disk; an unaligned buffer's body goes through a
+small aligned bounce buffer reused per thread; the tail shorter than a block is written through
+the page cache. So is the whole file on a file system that refuses ``O_DIRECT`` when the file is
+opened (ramfs), and the rest of it where a direct write is refused (EINVAL: a file system that
+asks for a larger alignment).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import os
 import threading
 
 BLOCK = 4096
-"""The alignment asked of direct writes: a page, which every block size of a Linux disk divides."""
+"""The alignment of direct writes: 4 KiB, the largest logical block size of Linux's disks; a file
+system that asks for more refuses the writes, and the file is written through the page cache."""
 BOUNCE_BYTES = 8 << 20
 """The aligned buffer an unaligned buffer's body is copied through, one per writing thread."""
 _bounce = threading.local()
@@ -29,17 +32,18 @@ _bounce = threading.local()
 def write_durably(path: str, view: memoryview, *, direct: bool) -> int:
     """Write ``view`` (bytes) into a new file at ``path``, fsync it; the bytes that went to the disk
     directly (0 when ``direct`` is off, the file is shorter than a block, or its file system refuses
-    ``O_DIRECT`` when the file is opened)."""
+    ``O_DIRECT``)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     body = len(view) - len(view) % BLOCK if direct else 0
     fd = _open_direct(path, flags) if body else None
-    direct_bytes = 0
+    opened_direct = fd is not None
     if fd is None:
         fd = os.open(path, flags, 0o644)
     try:
-        if os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL):
+        direct_bytes = 0
+        if opened_direct:
             direct_bytes = _write_body(fd, view[:body])
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # the tail
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # for the rest
         _write_all(fd, view[direct_bytes:])
         os.fsync(fd)
     finally:
@@ -48,9 +52,9 @@ def write_durably(path: str, view: memoryview, *, direct: bool) -> int:
 
 
 def aligned(nbytes: int) -> memoryview:
-    """A new writable, page-aligned buffer of ``nbytes`` (anonymous memory; a direct write takes it
-    without a bounce)."""
-    return memoryview(mmap.mmap(-1, nbytes)) if nbytes else memoryview(bytearray())
+    """A new writable, page-aligned buffer of ``nbytes`` (private anonymous memory; a direct write
+    takes it without a bounce)."""
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)) if nbytes else memoryview(bytearray())
 
 
 def _open_direct(path: str, flags: int) -> int | None:
@@ -64,15 +68,21 @@ def _open_direct(path: str, flags: int) -> int | None:
 
 def _write_body(fd: int, body: memoryview) -> int:
     """Write the block-aligned ``body`` directly (through the bounce buffer when ``body`` is not
-    aligned in memory); its length."""
-    if _address(body) % BLOCK == 0:
-        _write_all(fd, body)
-        return len(body)
-    bounce = _bounce_buffer()
-    for start in range(0, len(body), len(bounce)):
-        chunk = bounce[:min(len(bounce), len(body) - start)]
-        chunk[:] = body[start:start + len(chunk)]
-        _write_all(fd, chunk)
+    aligned in memory); the bytes written, all of them unless the file system refused a direct
+    write (EINVAL), which leaves the file's offset after the bytes written before it."""
+    try:
+        if _address(body) % BLOCK == 0:
+            _write_all(fd, body)
+        else:
+            bounce = _bounce_buffer()
+            for start in range(0, len(body), len(bounce)):
+                chunk = bounce[:min(len(bounce), len(body) - start)]
+                chunk[:] = body[start:start + len(chunk)]
+                _write_all(fd, chunk)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.lseek(fd, 0, os.SEEK_CUR)
     return len(body)
 
 

@@ -1,14 +1,14 @@
 """Stage: copy a rank's state into buffers allocated once and reused, so that the training thread
 pays only for a memory copy and the write runs in the background from the copy.
 
-CPU tensors are copied into page-aligned host buffers (which a write that bypasses the page cache
-takes without a bounce, :mod:`agent.checkpoint.direct_write`) by a small thread pool
+CPU tensors are copied into host buffers, page-aligned from 4 MB on (a write that bypasses the page
+cache takes them without a bounce, :mod:`agent.checkpoint.direct_write`), by a small thread pool
 (``Tensor.copy_`` releases the GIL); CUDA tensors into pinned host buffers with non-blocking
 copies on a side stream that first waits for the current stream, and the stager waits for that
 stream once before returning. A buffer is reused while the tensor at its logical path keeps its
-shape and dtype; anything else is reallocated. The walk follows torchsnapshot's own flattening (its private helpers, pinned with the
-version ``compat`` checks), so the manifest is a direct save's; other leaves (step counters,
-objects torchsnapshot pickles whole) are deep-copied.
+shape and dtype; anything else is reallocated. The walk follows torchsnapshot's own flattening
+(its private helpers, pinned with the version ``compat`` checks), so the manifest is a direct
+save's; other leaves (step counters, objects torchsnapshot pickles whole) are deep-copied.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torchsnapshot.flatten import _encode, _should_flatten_dict
 from torchsnapshot.rng_state import RNGState
 
-from agent.checkpoint.direct_write import BLOCK, aligned
+from agent.checkpoint.direct_write import aligned
+from agent.checkpoint.write import SLAB_THRESHOLD_BYTES
 
 
 class FixedState:
@@ -132,10 +133,11 @@ class Stager:
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty host tensor like ``tensor``: pinned for a CUDA tensor, page-aligned from a block
-    on."""
+    """An empty host tensor like ``tensor``: pinned for a CUDA tensor; page-aligned for a CPU
+    tensor that torchsnapshot writes from its own buffer (from its slab threshold on: smaller ones
+    are copied into shared files)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.is_cuda or nbytes < BLOCK:
+    if tensor.is_cuda or nbytes < SLAB_THRESHOLD_BYTES:
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
     return torch.frombuffer(aligned(nbytes), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
