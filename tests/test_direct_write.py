@@ -61,6 +61,11 @@ def direct_io_here(directory: Path) -> bool:
 def direct_dir(tmp_path: Path) -> Path:
     if not direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    probe = tmp_path / ".probe"
+    write_durably(str(probe), aligned_copy(bytes(4 * BLOCK)), direct=True)
+    if cached_pages(probe):  # tmpfs takes O_DIRECT (Linux 6.6 on) and keeps every page in memory
+        pytest.skip(f"{tmp_path}'s file system keeps directly written pages in memory (tmpfs)")
+    probe.unlink()
     return tmp_path
 
 
