@@ -70,7 +70,8 @@ def direct_dir(tmp_path: Path) -> Path:
 
 
 def random_bytes(nbytes: int) -> bytes:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)).numpy().tobytes()
+    generator = torch.Generator().manual_seed(nbytes)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).numpy().tobytes()
 
 
 def aligned_copy(data: bytes) -> memoryview:

@@ -44,7 +44,7 @@ def write_durably(path: str, view: memoryview, *, direct: bool) -> int:
         if opened_direct:
             direct_bytes = _write_body(fd, view[:body])
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # for the rest
-        _write_all(fd, view[direct_bytes:])
+        write_all(fd, view[direct_bytes:])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -72,13 +72,13 @@ def _write_body(fd: int, body: memoryview) -> int:
     write (EINVAL), which leaves the file's offset after the bytes written before it."""
     try:
         if _address(body) % BLOCK == 0:
-            _write_all(fd, body)
+            write_all(fd, body)
         else:
             bounce = _bounce_buffer()
             for start in range(0, len(body), len(bounce)):
                 chunk = bounce[:min(len(bounce), len(body) - start)]
                 chunk[:] = body[start:start + len(chunk)]
-                _write_all(fd, chunk)
+                write_all(fd, chunk)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -86,7 +86,8 @@ def _write_body(fd: int, body: memoryview) -> int:
     return len(body)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd`` (``os.write`` may write less than it is given)."""
     written = 0
     while written < len(view):
         written += os.write(fd, view[written:])

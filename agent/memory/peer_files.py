@@ -41,6 +41,7 @@ from typing import Any
 
 import blake3
 
+from agent.checkpoint.direct_write import write_all
 from agent.checkpoint.dirs import COMMIT_MARKER
 from agent.errors import TorchreviveError
 from agent.listener_limits import BoundedThreadingTCPServer, ConnectionCaps
@@ -157,7 +158,7 @@ class _Channel:
                 mac.update(view[:got])
                 if failure is None:
                     try:
-                        _write_all(fd, view[:got])
+                        write_all(fd, view[:got])
                     except OSError as exc:
                         failure = exc
                 left -= got
@@ -228,11 +229,6 @@ def _recv_exactly(sock: socket.socket, size: int, endpoint: str) -> bytes:
             raise PeerError(f"{endpoint}: the connection closed")
         data += chunk
     return bytes(data)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
 
 
 def _checked(root: Path, path: object) -> Path:
