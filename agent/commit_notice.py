@@ -7,16 +7,20 @@ the times of this commit and the one before it, and the job's pace: its steady s
 steps between two commits. A round's restore writes one too (tier ``restore``): from then on, a
 restart would go back to that step, and the next commit is due an interval after it. The agent
 reads it to admit a joining node right after a commit (see ``elastic.join_wait``): the notice says
-when the next one is due, from the first commit or restore of a round on.
+when the next one is due, from the first commit or restore of a round on. A round's restore knows
+the pace only from the notice before it, and a node that joined has none: the training thread tells
+the round's own pace a few steps in (:func:`tell_pace`), so that every node knows when the round's
+first commit is due, not only the nodes that saw a commit before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.checkpoint.durable import write_file
@@ -24,6 +28,10 @@ from agent.checkpoint.durable import write_file
 
 RESTORE_TIER = "restore"
 """The tier of the notice a round's restore writes: the step the round went on from, no new commit."""
+
+_WRITING = threading.Lock()
+"""Each write reads the notice before it: one writer at a time in a process (the training thread,
+the storage and the memory saver's threads), so that none puts back a notice another replaced."""
 
 
 @dataclass(frozen=True)
@@ -62,20 +70,41 @@ def write_notice(path: str | os.PathLike[str], *, step: int, tier: str, step_s: 
 
     Never raises: the commit it tells of has happened, and a notice that cannot be written (a full
     disk, say) must not turn it into a failed save. Returns the error (also warned), else None.
-    Writers never collide (each writes a temporary file of its own): a node's storage save and
-    memory save may tell of their commits at the same moment, and the last one stays."""
+    A node's storage save and memory save may tell of their commits at the same moment: they take
+    turns, and the last one stays."""
     path = Path(path)
-    previous = read_notice(path)
-    notice = {"step": step, "tier": tier, "at": time.time(),
-              "previous_at": previous.at if previous and tier != RESTORE_TIER else None,
-              "step_s": step_s if step_s is not None else previous.step_s if previous else None,
-              "interval_steps": interval_steps if interval_steps is not None
-              else previous.interval_steps if previous else None}
-    try:
-        write_file(path, json.dumps(notice))
+    with _WRITING:
+        previous = read_notice(path)
+        notice = {"step": step, "tier": tier, "at": time.time(),
+                  "previous_at": previous.at if previous and tier != RESTORE_TIER else None,
+                  "step_s": step_s if step_s is not None else previous.step_s if previous else None,
+                  "interval_steps": interval_steps if interval_steps is not None
+                  else previous.interval_steps if previous else None}
+        return _write(path, notice, f"cannot record the commit of step {step} ({tier})")
+
+
+def tell_pace(path: str | os.PathLike[str], step_s: float, *, step: int) -> str | None:
+    """Put the job's steady step time ``step_s``, measured up to ``step``, in the notice, which
+    otherwise stays as it is. A commit's notice keeps its time: the next commit is due an interval
+    of steps after it. A restore's is moved to when ``step`` would have been reached at this pace,
+    so that the round's first steps (compiling, say) do not make the commit look due too early. No
+    notice: nothing to do. Never raises; returns the error (also warned), else None."""
+    path = Path(path)
+    with _WRITING:
+        current = read_notice(path)
+        if current is None:
+            return None
+        at = current.at if current.is_commit else time.time() - (step - current.step) * step_s
+        return _write(path, {**asdict(current), "at": at, "step_s": step_s},
+                      f"cannot record the pace ({step_s:.3f} s a step)")
+
+
+def _write(path: Path, notice: dict[str, object], what: str) -> str | None:
+    try:  # a message to the live agent (in its own temporary folder): no fsync, which can take seconds
+        write_file(path, json.dumps(notice), durable=False)
     except OSError as exc:
-        error = f"{path}: cannot record the commit of step {step} ({tier}) for the agent: {exc}"
-        warnings.warn(error, stacklevel=2)
+        error = f"{path}: {what} for the agent: {exc}"
+        warnings.warn(error, stacklevel=3)
         return error
     return None
 

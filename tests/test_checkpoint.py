@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from agent.checkpoint import Checkpointer, CheckpointError
 from agent.errors import RestoreError
 from agent.checkpoint.dirs import is_committed, list_snapshots
+from agent.events import EventLog, read_events
 
 
 def state(seed: int) -> dict:
@@ -60,6 +62,43 @@ def test_a_committed_snapshot_is_never_overwritten(tmp_path):
         assert not ckpt.save(1, state(2))
     target = state(0)
     assert ckpt.restore(target) == 1 and torch.equal(weights(target), weights(state(1)))
+
+
+def test_a_save_due_before_a_round_began_and_never_committed_is_taken_at_its_first_step(tmp_path):
+    """An in-process round that ended at step 10's end (Round.step_done raises before that step's
+    maybe_save), or while step 10's save was written, goes on from memory in the next round: that
+    round's first maybe_save saves, or a later restore would go back to step 5."""
+    log = tmp_path / "events.jsonl"
+    first_round = Checkpointer(tmp_path / "ckpt", interval_steps=5, staging=False, events=EventLog(log))
+    for step in range(1, 10):
+        first_round.maybe_save(step, state(step))
+    assert first_round.latest() == tmp_path / "ckpt" / "step_5"
+    next_round = Checkpointer(tmp_path / "ckpt", interval_steps=5, staging=False, events=EventLog(log))
+    assert next_round.maybe_save(11, state(11))  # its first call: step 10's save was missed
+    assert next_round.latest() == tmp_path / "ckpt" / "step_11"
+    assert not next_round.maybe_save(12, state(12))  # only the first call looks back
+    [caught_up] = [e for e in read_events(log) if e["event"] == "save_caught_up"]
+    assert (caught_up["step"], caught_up["missed"]) == (11, 10)
+    # Nothing missed: a round that began past a committed save, or before the first one was due.
+    assert not Checkpointer(tmp_path / "ckpt", interval_steps=5, staging=False).maybe_save(12, state(12))
+    assert not Checkpointer(tmp_path / "fresh", interval_steps=5, staging=False).maybe_save(4, state(4))
+    # Missed, but the next save is due within half an interval: that one is left to save it.
+    assert not Checkpointer(tmp_path / "ckpt", interval_steps=10, staging=False).maybe_save(27, state(27))
+    assert [s for s, _ in list_snapshots(tmp_path / "ckpt")] == [5, 11]
+
+
+def test_every_rank_catches_up_together(tmp_path):
+    Checkpointer(tmp_path, interval_steps=5, staging=False).save(5, state(5))
+    from distributed import run_ranks
+
+    run_ranks(2, catch_up_after_a_round_ended, str(tmp_path))
+    assert [s for s, _ in list_snapshots(tmp_path)] == [5, 11] and is_committed(tmp_path / "step_11")
+
+
+def catch_up_after_a_round_ended(rank: int, world_size: int, root: str) -> None:
+    """Both ranks decide on rank 0's listing and save step 11 together (one rank alone would wait
+    in the save's collectives)."""
+    assert Checkpointer(Path(root), interval_steps=5, staging=False).maybe_save(11, state(11))
 
 
 def test_damaged_latest_falls_back_to_the_previous(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 from torch import nn
 
 from agent.checkpoint import Checkpointer
-from agent.commit_notice import RESTORE_TIER, read_notice, write_notice
+from agent.checkpoint.checkpointer import PACE_TOLD_AFTER
+from agent.commit_notice import RESTORE_TIER, CommitNotice, read_notice, tell_pace, write_notice
 from agent.events import EventLog, read_events
 
 
@@ -59,6 +60,52 @@ def test_a_checkpointer_tells_its_pace_at_each_commit_and_restore(tmp_path):
     assert restored is not None and (restored.step, restored.tier, restored.step_s) == (6, RESTORE_TIER,
                                                                                         committed.step_s)
     assert restored.at > committed.at
+
+
+def test_the_pace_told_keeps_a_commits_time_and_moves_a_restores(tmp_path):
+    path = tmp_path / "notice.json"
+    assert tell_pace(path, 0.5, step=3) is None and not path.exists()  # no notice: no commit to count from
+    write_notice(path, step=40, tier="storage")
+    write_notice(path, step=50, tier="memory", interval_steps=10)
+    before = read_notice(path)
+    assert tell_pace(path, 0.5, step=53) is None
+    paced = read_notice(path)
+    assert paced == CommitNotice(step=50, tier="memory", at=before.at, previous_at=before.previous_at, step_s=0.5,
+                                 interval_steps=10)
+    assert paced.next_due == before.at + 5  # an interval of steps after the commit
+    # A round restored step 50 and has done 3 steps since: the next commit is 7 steps away, however
+    # long the round's first step took.
+    write_notice(path, step=50, tier=RESTORE_TIER)
+    told_at = time.time()
+    tell_pace(path, 0.5, step=53)
+    restored = read_notice(path)
+    assert (restored.step, restored.tier, restored.step_s) == (50, RESTORE_TIER, 0.5)
+    assert told_at + 3.5 <= restored.next_due <= time.time() + 3.5
+
+
+def test_a_node_that_joined_tells_its_rounds_pace_before_any_commit(tmp_path):
+    """A joined node's agent has no notice before its round's restore, and the first commit may be
+    far off: the training thread tells the pace after a few steps, or that agent could not tell
+    when the commit is due, and would admit the next joining node at once."""
+    notice, model = tmp_path / "notice.json", nn.Linear(4, 4)
+    ckpt = Checkpointer(tmp_path / "ckpt", interval_steps=100, staging=False, events=EventLog(tmp_path / "ev"),
+                        commit_notice=str(notice))
+    assert ckpt.restore({"model": model}) is None
+    restored = read_notice(notice)
+    assert restored is not None and (restored.step, restored.tier, restored.step_s) == (0, RESTORE_TIER, None)
+    assert restored.next_due is None  # the pace is unknown
+    for step in range(1, PACE_TOLD_AFTER + 1):  # PACE_TOLD_AFTER calls: one step time fewer
+        time.sleep(0.02)
+        ckpt.maybe_save(step, {"model": model})
+        assert read_notice(notice).step_s is None
+    time.sleep(0.02)
+    told_at = time.time()
+    ckpt.maybe_save(PACE_TOLD_AFTER + 1, {"model": model})
+    paced = read_notice(notice)
+    assert paced is not None and (paced.step, paced.tier) == (0, RESTORE_TIER)
+    assert 0.02 <= paced.step_s < 1.0
+    steps_left = 100 - (PACE_TOLD_AFTER + 1)
+    assert told_at + steps_left * paced.step_s <= paced.next_due <= time.time() + steps_left * paced.step_s
 
 
 def test_an_unreadable_notice_is_no_notice(tmp_path):

@@ -128,6 +128,37 @@ def test_a_node_loss_changes_neither_the_samples_nor_the_model(tmp_path):
     assert_trained_as_without_faults(faulty, reference)
 
 
+INTERVAL_FAR = 3000
+"""Steps to the first commit: about 25 s at 2 ranks here, some 18 s after the join is seen."""
+
+
+def test_a_join_before_a_rounds_first_commit_waits_for_it(tmp_path):
+    """Agents that never saw a commit (a job's first round, or a node that joined since) learn when
+    the round's first one is due from the pace their workers tell a few steps in: a node joining
+    meanwhile waits for that commit instead of throwing the round's steps away."""
+    # elastic.join_wait follows join_timeout: 300 s, so that a slow machine's commit is still waited for.
+    cluster = Cluster(harness_args(interval_steps=INTERVAL_FAR, join_timeout_s=601), tmp_path)
+    try:
+        cluster.start_all(2)
+        formed = cluster.wait_for_round_of(2, 120)[0]["time"]
+        cluster.wait_for(lambda ev: len({e["rank"] for e in ev if e["event"] == "first_step_done"
+                                         and e["time"] > formed}) == 2, 120, "the round's first steps")
+        time.sleep(1.0)  # a few steps: the pace is told
+        joined_at = time.time()
+        cluster.start(2)
+        recovery = cluster.wait_for(lambda ev: recovery_after(ev, joined_at, failed_at=joined_at), 240, "the join")
+    finally:
+        cluster.stop()
+    events = read_events(tmp_path / "events.jsonl")
+    [seen, *_] = sorted((e for e in events if e["event"] == "membership_change" and e["time"] > joined_at),
+                        key=lambda e: e["time"])
+    commits = [e for e in events if e["event"] == "save_committed"]
+    # The join was seen before any commit (else a commit's notice would have told the pace anyway).
+    assert not [e for e in commits if e["time"] <= seen["time"] - seen["deferred_s"]], (commits, seen)
+    assert seen["cause"] == "node_joined" and seen["deferred_s"] > 0 and seen["at_commit"] == INTERVAL_FAR, seen
+    assert recovery["restored_step"] == INTERVAL_FAR and recovery["world_size_after"] == 3
+
+
 def test_failures_during_a_save_and_during_a_restore(tmp_path):
     # Every commit stays (no retention), so that each restore can be checked against the snapshots.
     runs = run_scenarios(harness_args(scenario="kill-during-save,join,kill-during-restore", keep_snapshots=1_000_000),

@@ -29,7 +29,7 @@ from torchsnapshot.serialization import ALL_SUPPORTED_DTYPES
 
 from agent import torch_private
 from agent.checkpoint import compat
-from agent.checkpoint.collectives import barrier, first_error, own_group, rank
+from agent.checkpoint.collectives import barrier, first_error, from_rank0, own_group, rank
 from agent.checkpoint.commit import Commit, commit
 from agent.checkpoint.dirs import committed_snapshots, is_committed, partial_dir, snapshot_dir, step_of
 from agent.checkpoint.fallback import restore_first_good
@@ -37,7 +37,7 @@ from agent.checkpoint.retention import prune
 from agent.checkpoint.stage import FixedState, Stager, read_state_dicts
 from agent.checkpoint.write import limit_write_threads, write_snapshot
 from agent.checkpoint.writer_priority import WriterPriority, check_writer_priority, lower_thread_priority
-from agent.commit_notice import RESTORE_TIER, write_notice
+from agent.commit_notice import RESTORE_TIER, tell_pace, write_notice
 from agent.config import load_config
 from agent.errors import TorchreviveError
 from agent.events import EventLog
@@ -55,6 +55,9 @@ MEMORY_FETCH_TIMEOUT_S = 600.0
 the restore finds what is missing and falls back to storage with the other ranks."""
 PACE_WINDOW = 16
 """The steps whose times give the steady step time the commit notice tells the agent."""
+PACE_TOLD_AFTER = 3
+"""How many of a round's step times (their median) the training thread waits for before it tells
+the agent the round's pace; the round's first commit then tells a steadier one."""
 
 
 class CheckpointError(TorchreviveError):
@@ -66,7 +69,8 @@ class Checkpointer:
 
     Args:
         dir: the directory holding ``step_<N>`` snapshots (shared by every rank).
-        interval_steps: ``maybe_save`` saves when the step is a multiple of this.
+        interval_steps: ``maybe_save`` saves when the step is a multiple of this (and at its first
+            call, a save due before that was never committed).
         keep: how many committed snapshots retention keeps (>= 1).
         staging: copy the state into reused staging buffers (host memory: at most one more copy
             of the rank's state) and write and commit it in the background; False writes and
@@ -152,6 +156,10 @@ class Checkpointer:
         self._step_times: deque[float] = deque(maxlen=PACE_WINDOW)
         """The last seconds between two consecutive steps' ``maybe_save`` calls."""
         self._last_step: tuple[int, float] | None = None
+        self._pace_untold = False
+        """The round restored, and its pace is not in the commit notice yet."""
+        self._called = False
+        """Whether ``maybe_save`` was called (its first call saves what a round's end missed)."""
 
     @classmethod
     def from_env(cls) -> Checkpointer:
@@ -231,20 +239,51 @@ class Checkpointer:
     def maybe_save(self, step: int, app_state: Mapping[str, Any]) -> bool:
         """Save when ``step`` is a multiple of ``interval_steps``; True when it did. The first call
         after ``restore`` (whether or not a snapshot existed) records the ``first_step_done``
-        event: training is back (with the graphs torch.compile compiled in this process since)."""
+        event: training is back (with the graphs torch.compile compiled in this process since).
+
+        The first call of a Checkpointer also saves when the save last due before ``step`` was
+        never committed and the next is more than half an interval away (a ``save_caught_up``
+        event): an in-process round that ended at that step's ``Round.step_done``, or while its
+        background save was written, went on from the state in memory without it, as does a
+        round restored from the memory tier after a loss during that save; a later restore from
+        storage would otherwise go back a whole interval more. Rank 0's view of the snapshots
+        decides, for every rank."""
         self._time_step(step)
+        if self._pace_untold and self.commit_notice and len(self._step_times) >= PACE_TOLD_AFTER:
+            self._pace_untold = False
+            if failed := tell_pace(self.commit_notice, statistics.median(self._step_times), step=step):
+                self.events.record("commit_notice_failed", step=step, error=failed)
         if self._first_step_pending:
             self._first_step_pending = False
             self.events.record("first_step_done", step=step,
                                restored_from=str(self._restored_from) if self._restored_from else None,
                                compiled_graphs=torch_private.graphs_compiled() - self._graphs_at_restore,
                                **torch_private.compile_stats())
+        first_call, self._called = not self._called, True
         if step % self.interval_steps == 0:
+            return self.save(step, app_state)
+        if first_call and (missed := self._missed_save(step)) is not None:
+            self.events.record("save_caught_up", step=step, missed=missed)
             return self.save(step, app_state)
         if self.memory is not None and step % self.memory.interval_steps == 0:
             self.memory.save(step, read_state_dicts(app_state), compat.replicated_patterns(app_state),
                              step_s=self.step_s())
         return False
+
+    def _missed_save(self, step: int) -> int | None:
+        """The step of the storage save due last before ``step`` when no snapshot of it or newer
+        is committed (rank 0's view, on every rank) and the next save is more than half an
+        interval away (a save soon after would find this one still written), else None. A
+        collective only where this Checkpointer did not restore that step or a newer one from
+        storage (every rank restores the same)."""
+        due = (step - 1) // self.interval_steps * self.interval_steps
+        restored = self._restored_from
+        if (due <= 0 or self.interval_steps - step % self.interval_steps <= self.interval_steps // 2
+                or (restored is not None and restored.is_relative_to(self.root) and (step_of(restored) or 0) >= due)):
+            return None
+        committed = committed_snapshots(self.root) if rank() == 0 else None  # one listing of shared storage
+        newest = from_rank0(committed[-1][0] if committed else 0)
+        return due if newest < due else None
 
     def step_s(self) -> float | None:
         """The steady step time: the median of the last steps' (None before two steps)."""
@@ -303,6 +342,9 @@ class Checkpointer:
         if self.commit_notice:  # a restart from now on throws away what this round trains
             write_notice(self.commit_notice, step=step_of(restored[0]) if restored else 0, tier=RESTORE_TIER,
                          interval_steps=self._commit_interval())
+            self._step_times.clear()  # the pace of this round, at its world size, is told a few steps in
+            self._last_step = None
+            self._pace_untold = True
         if restored is None:
             return None
         self._restored_from, stats = restored

@@ -147,8 +147,8 @@ class Cluster(Nodes):
         self.memory_mb = getattr(args, "memory_mb", None) or max(64, math.ceil(4 * args.state_mb))
         # Per node, the agent's compile caches in a folder of their own, empty when the run starts.
         self.compile_caches = work / "compile-caches" if getattr(args, "compile_cache", "off") == "per-node" else None
-        self.conf = {"join_timeout": "120s", "last_call_timeout": "1s", "keep_alive_interval": "1s",
-                     "keep_alive_max_attempt": 3}
+        self.conf = {"join_timeout": f"{getattr(args, 'join_timeout_s', 120):g}s", "last_call_timeout": "1s",
+                     "keep_alive_interval": "1s", "keep_alive_max_attempt": 3}
         self.config.write_text(yaml.safe_dump({
             "job": {"id": f"cluster-{os.getpid()}", "nnodes": f"{getattr(args, 'min_nodes', 1)}:{args.nodes}",
                     "nproc_per_node": args.nproc_per_node,
