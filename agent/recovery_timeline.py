@@ -14,19 +14,22 @@ from typing import Any
 Event = dict[str, Any]
 
 
+def events_after(events: Sequence[Event], name: str, since: float) -> list[Event]:
+    """The events called ``name`` recorded at or after ``since``, oldest first."""
+    return sorted((e for e in events if e["event"] == name and e["time"] >= since), key=lambda e: e["time"])
+
+
 def recovery_after(events: Sequence[Event], since: float, failed_at: float | None = None) -> dict[str, Any] | None:
     """The first recovery that starts at or after ``since`` and is complete (every rank of the
     new round did its first step), or None while it is not."""
-    changes = [e for e in events if e["event"] == "membership_change" and e["time"] >= since]
+    changes = events_after(events, "membership_change", since)
     if not changes:
         return None
-    detected = min(e["time"] for e in changes)
-    first_change = min(changes, key=lambda e: e["time"])
+    first_change = changes[0]
+    detected = first_change["time"]
     failed = failed_at if failed_at is not None else min(first_change.get("failed_at") or detected, detected)
-    rendezvous = sorted((e for e in events if e["event"] == "rendezvous_done" and e["time"] >= detected),
-                        key=lambda e: e["time"])
-    first_steps = sorted((e for e in events if e["event"] == "first_step_done" and e["time"] >= detected),
-                         key=lambda e: e["time"])
+    rendezvous = events_after(events, "rendezvous_done", detected)
+    first_steps = events_after(events, "first_step_done", detected)
     for step in first_steps:
         before = [r for r in rendezvous if r["time"] <= step["time"]]
         if not before:
@@ -57,8 +60,7 @@ def recovery_after(events: Sequence[Event], since: float, failed_at: float | Non
             "fallback_reason": fallbacks[0]["reason"] if fallbacks else None,
             "cause": first_change["cause"],
             # A standby node's change has none: it ran no workers.
-            "world_size_before": next((e["world_size"] for e in sorted(changes, key=lambda e: e["time"])
-                                       if e.get("world_size")), None),
+            "world_size_before": next((e["world_size"] for e in changes if e.get("world_size")), None),
             "world_size_after": last_round["world_size"],
             "restored_step": next((e.get("step") for e in restores), None),
             "restore_source": next((e.get("source") for e in restores), None),

@@ -27,7 +27,7 @@ from agent.events import read_events
 from agent.memory.layout import KEY_FILE, MemorySnapshot
 from agent.memory.peer_files import PeerFileClient, read_key
 from agent.memory.tier import MemoryChoice, MemoryTier, newest_complete
-from agent.recovery_timeline import recovery_after
+from agent.recovery_timeline import events_after, recovery_after
 
 sys.path.insert(0, str(REPO / "scripts"))
 from harness import chaos
@@ -148,8 +148,7 @@ def test_a_joining_node_is_admitted_right_after_a_memory_snapshot_and_restarts_f
     finally:
         cluster.stop()
     events = read_events(tmp_path / "events.jsonl")
-    changes = sorted((e for e in events if e["event"] == "membership_change" and e["time"] > joined_at),
-                     key=lambda e: e["time"])
+    changes = events_after(events, "membership_change", joined_at)
     first = changes[0]
     assert first["cause"] == "node_joined", changes
     # The agent that restarted first decided for the job; another one, which saw the join a little

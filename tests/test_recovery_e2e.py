@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, free_port, worker_env
 
 from agent.events import read_events
-from agent.recovery_timeline import recovery_after
+from agent.recovery_timeline import events_after, recovery_after
 from agent.checkpoint.verify import check_snapshot
 from agent.checkpoint.dirs import committed_snapshots
 
@@ -150,8 +150,7 @@ def test_a_join_before_a_rounds_first_commit_waits_for_it(tmp_path):
     finally:
         cluster.stop()
     events = read_events(tmp_path / "events.jsonl")
-    [seen, *_] = sorted((e for e in events if e["event"] == "membership_change" and e["time"] > joined_at),
-                        key=lambda e: e["time"])
+    [seen, *_] = events_after(events, "membership_change", joined_at)
     commits = [e for e in events if e["event"] == "save_committed"]
     # The join was seen before any commit (else a commit's notice would have told the pace anyway).
     assert not [e for e in commits if e["time"] <= seen["time"] - seen["deferred_s"]], (commits, seen)
