@@ -46,7 +46,11 @@ stall after a fault counts as that fault's). timeline: [seconds since t0, step, 
 every second and around every pause or rollback (scripts/plot_goodput.py draws it).
 full_world_step_s: the mean time of a step at the full world size after another such step;
 speed_between_faults: the fault-free run's over the approach's (what its saving costs while it
-runs). losses: [step, loss] of each step in the model's history (torchrevive's approaches log it);
+runs). samples_lost: 1 - goodput split by where the samples went, each a share of the fault-free
+run's samples: thrown_away (steps rolled back); restarts, full_world, smaller_world (the time
+between two steps, filed by the later one: a round's first step, else the world it trained at, at
+the fault-free run's rate, less the samples it trained); window_ends (about a step either way).
+losses: [step, loss] of each step in the model's history (torchrevive's approaches log it);
 loss_vs_fault_free: for an approach that trains the same samples in each step as the fault-free run
 (torchrevive's), the largest relative difference between its loss and the fault-free run's at the
 same step, over the steps both trained: float summation order moves it by about 1e-7 to 1e-5; a
@@ -54,9 +58,9 @@ wrong shard, optimizer moment or data position by far more, and the table flags 
 LOSS_RTOL: samples counted in a model that went wrong are not good ones.
 
 JSON: {"duration_s", "workload", "params", "schedule": [{"at_s", "action", "node"}], "results": {A: {"goodput",
-"samples", "tokens", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
-"speed_between_faults", "timeline", "recovery_details": [...], "losses", "loss_vs_fault_free", "peer_config",
-...}}, "date", "machine", ...}.
+"samples", "thrown_away_samples", "tokens", "steps", "recoveries", "steps_lost", "pauses": [...], "full_world_step_s",
+"speed_between_faults", "samples_lost", "time_split", "timeline", "recovery_details": [...], "losses",
+"loss_vs_fault_free", "peer_config", ...}}, "date", "machine", ...}.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ STEP_EVENTS = ("first_step_done", "step")
 SAME_SAMPLES_PER_STEP = ("torchrevive_memory", "torchrevive_storage", "torchrevive_in_process",
                          "torchrevive_in_process_memory")
 """The approaches whose steps train the fault-free run's samples at any world size."""
+LOST_TO_STEPS = ("restarts", "full_world", "smaller_world")
+"""The kinds of time between steps that :func:`time_split` tells apart."""
 LOSS_RTOL = 1e-3
 """A loss further than this from the fault-free run's at the same step is flagged in the table."""
 
@@ -235,7 +241,10 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
     starts = [m for m in steps if m["event"] == "first_step_done"]
     details = [recovery(restart, previous["time"], steps, performed, t0) for previous, restart in zip(starts, starts[1:])]
     tokens = [m["tokens"] for m in history if "tokens" in m]
-    return {"samples": sum(m["samples"] for m in history),
+    samples = sum(m["samples"] for m in history)
+    return {"samples": samples,
+            "thrown_away_samples": sum(m["samples"] for m in steps) - samples,
+            "time_split": time_split(steps, t0, duration_s, start["world_size"]),
             "tokens": sum(tokens) if tokens else None,
             "steps": len(history),
             "recoveries": len(details),
@@ -248,6 +257,38 @@ def measure(marks: list[dict], start: dict, duration_s: float, performed: list[t
             "timeline": timeline(steps, t0),
             "recovery_details": details,
             "losses": [[m["step"], m["loss"]] for m in history if "loss" in m]}
+
+
+def time_split(steps: list[dict], t0: float, duration_s: float, full_world: int) -> dict[str, Any]:
+    """The run's time from t0 to its end by what filled it (see :func:`samples_lost`): each time
+    between two consecutive steps, with the samples the later step trained, under "restarts" when
+    the later step is a round's first (the fault's detection, the re-formation, the restore, any
+    compile and the step itself), else under "full_world" or "smaller_world" (the later step's world
+    size); "tail_s": the time after the last step; "start_samples": the samples of the step at t0,
+    trained before it."""
+    split: dict[str, Any] = {kind: {"seconds": 0.0, "samples": 0} for kind in LOST_TO_STEPS}
+    for before, after in zip(steps, steps[1:]):
+        kind = ("restarts" if after["event"] == "first_step_done"
+                else "full_world" if after["world_size"] == full_world else "smaller_world")
+        split[kind]["seconds"] += after["time"] - before["time"]
+        split[kind]["samples"] += after["samples"]
+    return {**split, "tail_s": t0 + duration_s - steps[-1]["time"], "start_samples": steps[0]["samples"]}
+
+
+def samples_lost(result: dict[str, Any], reference_samples: int, duration_s: float) -> dict[str, float]:
+    """1 - goodput, split by where the samples went, each a share of the fault-free run's samples:
+    "thrown_away" (steps trained, then rolled back), and for each kind of :func:`time_split`'s, its
+    time at the fault-free run's rate less the samples it trained: "restarts" (the pauses at rounds'
+    starts), "full_world" (steps slower than the fault-free run's at the full world: saving, a
+    slower machine), "smaller_world" (fewer ranks for a time; here also a starting node's share of
+    the CPUs); "window_ends": the tail at that rate less the step at t0, a step's worth either way.
+    The terms add up to 1 - goodput."""
+    rate = reference_samples / duration_s
+    split = result["time_split"]
+    lost = {"thrown_away": result["thrown_away_samples"],
+            **{kind: rate * split[kind]["seconds"] - split[kind]["samples"] for kind in LOST_TO_STEPS},
+            "window_ends": rate * split["tail_s"] - split["start_samples"]}
+    return {kind: samples / reference_samples for kind, samples in lost.items()}
 
 
 def loss_vs_fault_free(losses: list[list[float]], reference: list[list[float]]) -> dict[str, Any] | None:
@@ -375,6 +416,7 @@ def main() -> None:
         # Training speed between faults, relative to the fault-free run (what saving costs while it runs).
         step_s = result["full_world_step_s"]
         result["speed_between_faults"] = reference["full_world_step_s"] / step_s if step_s else None
+        result["samples_lost"] = samples_lost(result, reference["samples"], args.duration_s)
     for name in SAME_SAMPLES_PER_STEP:
         if name in results:
             results[name]["loss_vs_fault_free"] = loss_vs_fault_free(results[name]["losses"], reference["losses"])
@@ -409,6 +451,11 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             f" WRONG at {drift['at_step']}" if not drift["max_rel_diff"] <= LOSS_RTOL else "")
         print(f"{name:20s} {r['samples']:8d} {r['steps']:7d} {r['goodput']:8.3f} {r['recoveries']:10d} "
               f"{r['steps_lost']:10d} {median:>14s} {loss:>18s}")
+    kinds = list(next(iter(results.values()))["samples_lost"])
+    print(f"\nsamples lost, as shares of the fault-free run's\n{'approach':20s} "
+          + " ".join(f"{kind:>13s}" for kind in kinds))
+    for name, r in results.items():
+        print(f"{name:20s} " + " ".join(f"{r['samples_lost'][kind]:13.3f}" for kind in kinds))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from conftest import REPO, worker_env
 from agent.events import read_events
 
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_goodput import LOSS_RTOL, Fault, loss_vs_fault_free, make_schedule, measure
+from bench_goodput import LOSS_RTOL, Fault, loss_vs_fault_free, make_schedule, measure, samples_lost
 from harness.goodput_plot import draw
 from harness.machine import PAGE_REPORTING_ORDER
 from harness.peers_env import PeersUnavailable, peers_python
@@ -66,6 +66,17 @@ def test_samples_steps_recoveries_and_pauses_from_the_marks():
     assert rejoin["step_at_failure"] == 13 and rejoin["recovery_s"] == 2.0
     # The kill stopped training from 11 s to 15 s, the rejoin from 17 s to 20 s.
     assert [(p["action"], p["pause_s"]) for p in result["pauses"]] == [("kill", 4.0), ("rejoin", 3.0)]
+    # The time by what filled it: the two rounds' first steps, 1 + 11 steps at 3 ranks, 2 at 2.
+    assert result["time_split"] == {"restarts": {"seconds": 4.0 + 3.0, "samples": 32 + 48},
+                                    "full_world": {"seconds": 12.0, "samples": 12 * 48},
+                                    "smaller_world": {"seconds": 2.0, "samples": 2 * 32},
+                                    "tail_s": 4.0, "start_samples": 48}
+    assert result["thrown_away_samples"] == 2 * 48 + 3 * 32
+    # Against a fault-free run of 48 samples a second: what each part cost adds up to 1 - goodput.
+    lost = samples_lost(result, 25 * 48, 25)
+    assert lost == pytest.approx({"thrown_away": 192 / 1200, "restarts": (7 * 48 - 80) / 1200, "full_world": 0.0,
+                                  "smaller_world": (2 * 48 - 64) / 1200, "window_ends": (4 * 48 - 48) / 1200})
+    assert sum(lost.values()) == pytest.approx(1 - result["samples"] / 1200)
 
 
 def test_a_rejoin_during_a_recovery_pauses_nothing_more():
@@ -144,6 +155,7 @@ def test_bench_goodput_writes_its_contract_and_leaves_no_process(short_run):
         assert result["goodput"] == pytest.approx(result["samples"] / report["results"]["fault_free"]["samples"])
         assert result["goodput"] > 0 and result["steps_lost"] >= 0, (name, result)
         assert result["full_world_step_s"] > 0, (name, result)
+        assert sum(result["samples_lost"].values()) == pytest.approx(1 - result["goodput"]), (name, result)
     assert report["results"]["fault_free"]["goodput"] == 1.0
     # The machine as the figures need it: on a VM that hands freed memory back to its host, fresh
     # memory costs far more to touch (harness.machine).
