@@ -44,7 +44,10 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
     assert (run["world_size_before"], run["world_size_after"]) == (3, 2), run
     # In-process, the survivors re-shard the FSDP2 model in the same processes and restore it.
     assert (run["path"], run["fallback_reason"]) == ("in_process" if in_process else "restart", None), run
-    assert run["restored_step"] is not None and run["restored_step"] % 5 == 0
+    # A lost node took shards with it: the survivors restore a committed snapshot (every 5 steps,
+    # or a step later when a save missed at a join caught up).
+    events = read_events(tmp_path / "events.jsonl")
+    assert run["restored_step"] in {e["step"] for e in events if e["event"] == "save_committed"}, run
     phases = run["phases"]
     assert run["compile_cold_s"] > 0, run
     if in_process:  # the compiled blocks live on, and a rank's batch keeps its shape: nothing compiles again
@@ -52,7 +55,6 @@ def test_a_node_killed_under_the_compiled_gpt_recovers_and_reports_its_compile(t
     else:  # a new process compiles again, from the caches its agent kept for the node
         assert run["recompiles"] > 0 and phases["compile"] > 0, run
         assert run["compile_warm_from"] == "local", run
-        events = read_events(tmp_path / "events.jsonl")
         restarted = [e for e in events if e["event"] == "first_step_done" and e["restored_from"]]
         cold = [e for e in events if e["event"] == "first_step_done" and not e["restored_from"]]
         assert sorted(e["rank"] for e in restarted) == [0, 1] and len(cold) == 3, events
